@@ -89,6 +89,9 @@ def run(quick: bool) -> dict:
                           profile=str(name != "weight_heavy").lower(), **common)
         one_b = run_worker("single_device", ONE_DEVICE_THREADS, model=name, **common)
         results[f"speedup_{name}"] = {"pipeline": pipe, "one_device": [one_a, one_b]}
+    results["speedup_serial"] = run_worker("speedup_serial", PIPE_THREADS, model="transformer",
+                                           micro_batches=ts, rounds=3 if quick else 4,
+                                           quick=str(quick).lower())
     results["overhead"] = run_worker("overhead", PIPE_THREADS, model="transformer_small",
                                      rounds=rounds + 2, iters=3, quick=str(quick).lower())
     results["remat_cost"] = run_worker("remat_cost", PIPE_THREADS, model="transformer_small",

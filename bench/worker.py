@@ -5,8 +5,8 @@ the device / thread flags set before TensorFlow starts:
 
     python bench/worker.py --figure=speedup --model=transformer --devices=2 --intra=1 --inter=2
 
-Figures: speedup, single_device, microbatch_cost, overhead, remat_cost, memory, fits,
-partition.
+Figures: speedup, speedup_serial, single_device, microbatch_cost, overhead, remat_cost,
+memory, fits, partition.
 """
 
 from __future__ import annotations
@@ -64,6 +64,27 @@ def fig_speedup() -> dict:
     if FLAGS.profile:
         out["profiles"] = {t: _profile_step(steps[f"K2_T{t}"][0], batch) for t in _ts()}
     return out
+
+
+def fig_speedup_serial() -> dict:
+    """Accelerator emulation: every device runs one op at a time (`serial_devices`).
+
+    For each remat policy, K=2 at every T against naive model parallelism (K=2, T=1)
+    with the same policy, so per-micro-batch work is equal and the ideal is 2T/(T+1).
+    Also naive K=2, T=1 without serial devices: how many cores the shared inter-op
+    pool lets the sequential baseline use.
+    """
+    layers, shapes, make_batch = bench_lib.model(FLAGS.model, FLAGS.quick)
+    batch = make_batch()
+    steps = {}
+    for remat in ("never", "always", "except_last"):
+        for t in _ts():
+            pipe = bench_lib.make_pipeline(layers, shapes, 2, t, remat, serial_devices=True)
+            steps[f"serial_{remat}_K2_T{t}"] = (bench_lib.pipeline_train_step(pipe)[0], batch)
+    shared = bench_lib.make_pipeline(layers, shapes, 2, 1, "never")
+    steps["shared_never_K2_T1"] = (bench_lib.pipeline_train_step(shared)[0], batch)
+    return {"model": FLAGS.model,
+            "times": _summary(bench_lib.interleaved(steps, FLAGS.rounds, FLAGS.iters))}
 
 
 def _profile_step(fn, batch) -> dict:
@@ -236,7 +257,8 @@ def fig_partition() -> dict:
     return {"rows": rows}
 
 
-FIGURES = {"speedup": fig_speedup, "microbatch_cost": fig_microbatch_cost,
+FIGURES = {"speedup": fig_speedup, "speedup_serial": fig_speedup_serial,
+           "microbatch_cost": fig_microbatch_cost,
            "single_device": fig_single_device, "overhead": fig_overhead,
            "remat_cost": fig_remat_cost, "memory": fig_memory, "fits": fig_fits,
            "partition": fig_partition}

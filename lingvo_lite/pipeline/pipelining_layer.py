@@ -24,10 +24,15 @@ inter-op thread pool.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import context as tf_context
 
 from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.layers import composite
@@ -52,6 +57,67 @@ def keep_recomputation_in_graphs() -> None:
     tf.config.optimizer.set_experimental_options(
         {name: False for name in _REWRITES_THAT_UNDO_REMAT})
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes")
+SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
+
+
+@contextlib.contextmanager
+def serial_function_calls(enabled: bool = True) -> Iterator[None]:
+    """Function calls created inside (and their tape gradients) run one op at a time.
+
+    TensorFlow's single-threaded executor rejects reference-typed edges, which
+    grappler's memory optimiser creates when it turns a large AddN into an
+    in-place accumulation; that rewrite is switched off for these calls only.
+    """
+    if not enabled:
+        yield
+        return
+    ctx = tf_context.context()
+    saved = ctx.function_call_options
+    options = copy.copy(saved)
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.memory_optimization = (
+        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+    options.config_proto_serialized = config
+    options.executor_type = SERIAL_EXECUTOR
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
+
+
+def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
+    """`fn(x)` as one non-inlined function call that runs its ops one at a time.
+
+    Inside the function the caller's name scope is re-entered (profiler traces still
+    map ops to cells), and statistics that layers report to the current
+    `fprop_context` update collector leave the function as extra outputs.
+    """
+    scope = tf.compat.v1.get_default_graph().get_name_scope()
+    outer = fprop_context.current().updates
+    traced: dict[str, Any] = {}
+
+    def body(*flat_x: Any) -> list[Any]:
+        inner = fprop_context.UpdateCollector() if outer is not None else None
+        with tf.name_scope(scope + "/" if scope else ""), \
+                fprop_context.fprop_context(updates=inner):
+            y = fn(_pack(x, list(flat_x)))
+        reports = [(layer, s) for layer, per_call in (inner.items() if inner else [])
+                   for s in per_call]
+        traced.update(y=y, reports=reports)
+        return (tf.nest.flatten(y, expand_composites=True)
+                + [leaf for _, s in reports for leaf in tf.nest.flatten(s)])
+
+    call = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
+    with serial_function_calls():
+        flat_out = list(call(*_flat(x)))
+    num_y = len(tf.nest.flatten(traced["y"], expand_composites=True))
+    y = tf.nest.pack_sequence_as(traced["y"], flat_out[:num_y], expand_composites=True)
+    rest = iter(flat_out[num_y:])
+    for layer, s in traced["reports"]:
+        outer.add(layer, tf.nest.pack_sequence_as(s, [next(rest) for _ in tf.nest.flatten(s)]))
+    return y
 
 
 def _flat(x: Any) -> list[Any]:
@@ -109,6 +175,15 @@ class PipeliningLayer(base_layer.BaseLayer):
             "it would be pure waste); 'never'.",
         )
         p.Define("schedule", "gpipe", "Pipeline schedule: 'gpipe' (fill-drain) or '1f1b'.")
+        p.Define(
+            "serial_devices", False,
+            "Run every forward and backward of a cell as one function on TensorFlow's "
+            "single-threaded executor, so each device runs one op at a time (like an "
+            "accelerator's compute stream) while different devices still overlap. Use it to "
+            "emulate K accelerators with logical CPU devices (intra-op threads 1, inter-op "
+            "threads >= K): without it the shared inter-op pool lets one cell use every core "
+            "while the others idle, which hides the pipeline's bubble. Gradients are the same.",
+        )
         p.Define(
             "placement", "auto",
             "Devices of the cells: 'auto', 'cpu', 'gpu', 'tpu', 'cluster[:job]' or a "
@@ -223,6 +298,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     # -- execution -----------------------------------------------------------
 
     def _cell_fprop(self, theta: NestedMap, k: int, x: Any) -> Any:
+        if self.params.serial_devices:
+            return serial_call(lambda x: self._chain_cell(theta, k, x), x)
+        return self._chain_cell(theta, k, x)
+
+    def _chain_cell(self, theta: NestedMap, k: int, x: Any) -> Any:
         layers = [self.layers[i] for i in self.cell_layers(k)]
         thetas = [theta.layers[i] for i in self.cell_layers(k)]
         out = composite.chain_fprop(layers, thetas, x)
@@ -232,6 +312,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "NestedMap to carry several tensors between cells."
             )
         return out
+
 
     def _split(self, inputs: Any) -> tuple[list[Any], int, int]:
         p = self.params
@@ -366,10 +447,11 @@ class PipeliningLayer(base_layer.BaseLayer):
                         y_leaves.append(y_leaf)
                         g_leaves.append(tf.zeros_like(y_leaf) if g_leaf is None else g_leaf)
                 x_sources = [v for v in _flat(x) if _is_float(v)] if k > 0 else []
-                all_grads = tape.gradient(
-                    y_leaves, x_sources + cell_sources[k], output_gradients=g_leaves,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+                with serial_function_calls(self.params.serial_devices):
+                    all_grads = tape.gradient(
+                        y_leaves, x_sources + cell_sources[k], output_gradients=g_leaves,
+                        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                    )
                 dx, dw = all_grads[:len(x_sources)], all_grads[len(x_sources):]
                 for leaf, g in zip(cell_sources[k], dw):
                     if isinstance(g, tf.IndexedSlices):  # Embedding lookups: sum densely.
