@@ -54,19 +54,25 @@ at a time, like an accelerator's compute stream, while the two devices still ove
 policy is compared with naive model parallelism (K=2, T=1) under the same policy, so the
 work per example is the same on both sides and GPipe's ideal 2T/(T+1) applies; GPipe itself
 always re-materialises (`always`). `except_last` at T=1 recomputes nothing while at T>1 it
-recomputes T-1 of T micro-batches, so its ratio also pays for the memory it saves.""",
+recomputes T-1 of T micro-batches, so its ratio also pays for the memory it saves. The
+profiler cannot see inside the serial cell calls, so the last column infers the devices' mean
+idle fraction from step times: naive model parallelism keeps exactly one device busy, so its
+step time is the total work W, which without recomputation does not grow with T; the mean
+idle fraction at T is then 1 - W / (K x step time). Figure 6 measures idle time per device
+from op traces, on the shared pool.""",
     "overhead": """\
 The pipeline at K=1, T=1 without remat emits the same forward ops as the plain step, one
 GradientTape per cell with explicit output gradients, and a `tf.identity`/control-dependency
 chain; any extra time is that bookkeeping.""",
     "remat": """\
-At K=1 `except_last` keeps the only cell's activations (it is the last cell), so it does no
-recomputation by construction and the target is met trivially; the real cost of
+At K=1, T=1 the only micro-batch's backward directly follows its forward, so `except_last`
+recomputes nothing by construction and the target is met trivially; the real cost of
 recomputation is `always` vs `never` (one extra forward per layer, about +1/3 of F+B, i.e. an
-expected ratio near 0.75-0.8, the paper's 0.80). At K=2, `except_last` recomputes cell 0
-only. To reach >= 0.85 while recomputing, recompute only what is expensive to keep and cheap
-to redo (layer norms, activations, attention softmax) and keep matmul outputs -- selective
-recomputation, which the executor does not offer (it recomputes whole cells).""",
+expected ratio near 0.75-0.8, the paper's 0.80). At K=2, T=4, `except_last` recomputes 3 of
+the 4 micro-batches on each cell. To reach >= 0.85 while recomputing, recompute only what is
+expensive to keep and cheap to redo (layer norms, activations, attention softmax) and keep
+matmul outputs -- selective recomputation, which the executor does not offer (it recomputes
+whole cells).""",
     "memory": """\
 Method: BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`), all logical devices share one
 allocator so the numbers are totals over the K=2 devices. Weights and optimizer state exist
@@ -101,22 +107,24 @@ to last cell op) in which no op of that cell runs; it includes load imbalance an
 other processes on the shared cores, which GPipe's (K-1)/(T+K-1) does not model. `bubble` is
 the part the busiest device also waits (pipeline fill/drain and dependency waits).
 
-Why T=16 misses (Gantt chart of the profiled transformer step, T=16): device 0 finishes its 16
-forwards well before device 1 (the last cell's forward runs under a tape and computes the
-loss), then idles ~100 ms until device 1's first backward arrives; at the end device 1 idles
-while device 0 recomputes + back-propagates (its backward is ~1/3 longer because of the
-recomputation). GPipe's (K-1)/(T+K-1) assumes every cell's forward and backward take equal
-time; here the per-phase differences are paid once per micro-batch, so their share does not
-shrink with T while the theoretical bubble does. Closing it needs phase-balanced cells (equal
-forward and equal backward time per cell), which a single contiguous split cannot give with
-recomputation on all cells but the last; `remat='always'` makes the phases symmetric at the
-cost of recomputing the last cell too.""",
+Why T=16 misses (boxes of the second profiled transformer step at T=16, recorded
+2026-11-22 09:50 run; profiling stretched that step to 1.09 s): device 0's forwards end at
+159 ms but device 1's (taped last micro-batch, loss) end at 220 ms, and device 0's first
+backward can start only at 244 ms, after device 1's: device 0 idles ~85 ms. Then device 0's
+recompute + backward (779 ms busy) runs ~13% longer than device 1's (691 ms), so device 1
+idles its last ~130 ms. GPipe's (K-1)/(T+K-1) assumes every cell's forward and backward take
+equal time; here the per-phase differences are paid once per micro-batch, so their share does
+not shrink with T while the theoretical bubble does. Added to that, on the shared pool a lone
+cell's ops spread over both cores during fill and drain (figure 1 notes), so the busy
+fractions here are not those of one-op-at-a-time devices. Closing it needs phase-balanced
+cells (equal forward and equal backward time per cell), e.g. partition costs measured from a
+profiled step rather than FLOPs.""",
     "partition": """\
 Cost-model imbalance = max/mean of FPropMeta FLOPs per cell for the partition the
 PipeliningLayer would compute (min_max objective, exact DP). Measured imbalance = max/mean of
-the devices' busy time in a profiled step (K=2, T=1): it also counts recomputation (cell 0
-only, with except_last), which the FLOPs cost ignores, and ops whose time is not proportional
-to FLOPs (batch norm, pooling, small convs).""",
+the devices' busy time in a profiled step (K=2, T=1; with one micro-batch `except_last`
+recomputes nothing): it counts ops whose time is not proportional to FLOPs (batch norm,
+pooling, small convs), and the taped forward of the last cell.""",
 }
 
 
@@ -197,8 +205,9 @@ def _serial_speedup_section(data: dict) -> tuple[list[str], dict]:
     policies = ("never", "always", "except_last")
     ts = sorted({int(k.rsplit("_T", 1)[1]) for k in times if k.startswith("serial_")})
     lines += ["| T | ideal 2T/(T+1) | " + " | ".join(
-        f"remat={p}: step / speedup" for p in policies) + " |",
-        "|---|---|" + "---|" * len(policies)]
+        f"remat={p}: step / speedup" for p in policies)
+        + " | theory (K-1)/(T+K-1) | inferred mean idle (never) |",
+        "|---|---|" + "---|" * len(policies) + "---|---|"]
     summary: dict = {p: {} for p in policies}
     for t in ts:
         cells = []
@@ -206,7 +215,12 @@ def _serial_speedup_section(data: dict) -> tuple[list[str], dict]:
             m, base = times[f"serial_{p}_K2_T{t}"], times[f"serial_{p}_K2_T1"]
             summary[p][t] = base / m
             cells.append(f"{_fmt_s(m)} / {base / m:.2f}x")
-        lines.append(f"| {t} | {2 * t / (t + 1):.2f}x | " + " | ".join(cells) + " |")
+        # Naive MP on serial devices keeps exactly one device busy, so its step time is the
+        # total work W; without recomputation W does not grow with T (diagnostic below), so
+        # the devices' mean idle fraction at T is 1 - W / (K x step).
+        idle = 1 - times["serial_never_K2_T1"] / (K * times[f"serial_never_K2_T{t}"])
+        lines.append(f"| {t} | {2 * t / (t + 1):.2f}x | " + " | ".join(cells)
+                     + f" | {(K - 1) / (t + K - 1):.3f} | {idle:.3f} |")
     serial, shared = times["serial_never_K2_T1"], times["shared_never_K2_T1"]
     lines += ["", f"Naive model parallelism (K=2, T=1, remat=never) on the shared inter-op pool: "
               f"{_fmt_s(shared)}, vs {_fmt_s(serial)} on serial devices: the shared pool lets "

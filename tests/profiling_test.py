@@ -215,6 +215,20 @@ class TrainerProfileTest(tf.test.TestCase):
         img = tf.io.decode_png(encoded[2]).numpy()
         self.assertEqual((int(encoded[1]), int(encoded[0]), 3), img.shape)
 
+    def test_serial_devices_cannot_be_profiled_and_nothing_is_written(self):
+        import testdata_models  # noqa: F401  (registers TinyMlp)
+
+        logdir = os.path.join(tempfile.mkdtemp(), "run")
+        out, err = io.StringIO(), io.StringIO()
+        status = runner.main(options.RunOptions(
+            model="testdata_models.TinyMlp", logdir=logdir, mode="train", max_steps=4,
+            profile_steps="2,3", model_params_override="network.serial_devices : True"),
+            out=out, err=err)
+        self.assertNotEqual(0, status)
+        self.assertIn("serial_devices", err.getvalue())
+        self.assertIn("--profile_steps", err.getvalue())
+        self.assertFalse(os.path.exists(logdir))
+
     def test_bad_profile_steps_name_the_flag(self):
         for value in ("a,b", "3,2", "0,1", "1,2,3"):
             with self.assertRaisesRegex(options.UsageError, "--profile_steps"):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from lingvo_lite.training import model_config
-from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError
+from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
 
 USER_ERRORS = (ValueError, KeyError, AttributeError, FileNotFoundError)
 Job = Callable[[], int]
@@ -141,6 +141,8 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
     loop.check_train_params(task_params.train)
     latest = checkpointer.latest_checkpoint(logdir)
     max_steps = task_params.train.max_steps
+    if options.profile_steps:
+        _check_profilable(task_params)
     if latest is not None and checkpointer.checkpoint_step(latest) >= max_steps:
         step = checkpointer.checkpoint_step(latest)
         return _printer(
@@ -159,6 +161,18 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         first, last = profiling.parse_profile_steps(options.profile_steps)
         trainer.profiler = profiling.StepProfiler(logdir, first, min(last, max_steps))
     return trainer.run
+
+
+def _check_profilable(task_params) -> None:
+    """--profile_steps needs every cell op in the trace; serial cells hide theirs."""
+    serial = [path for path, pp in model_config.iter_pipelining_params(task_params)
+              if pp.serial_devices]
+    if serial:
+        raise UsageError(
+            f"--profile_steps cannot map a step whose pipeline {serial[0]} runs with "
+            "serial_devices=True: TensorFlow's single-threaded executor does not report the "
+            "ops inside each cell call to the profiler. Profile with "
+            f"--model_params_override='{serial[0]}.serial_devices : False'.")
 
 
 def _prepare_eval(config: model_config.ModelConfig, logdir: str,
