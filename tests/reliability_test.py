@@ -434,7 +434,12 @@ class NonFiniteTest(tf.test.TestCase):
                          [0, 0, 0, 0, 0, 0, 1, 1, 0, 0])
         self.assertEqual([scalars["skipped_updates"][s] for s in range(1, 11)],
                          [0, 0, 0, 0, 0, 0, 1, 2, 2, 2])
-        self.assertTrue(np.isnan(scalars["loss"][7]))
+        # Whether NaN features reach the loss or only the gradients depends on the kernels
+        # (oneDNN's fused matmul+relu may map NaN to 0), so either counts as non-finite.
+        non_finite = [s for s in range(1, 11)
+                      if not (np.isfinite(scalars["loss"][s])
+                              and np.isfinite(scalars["grad_norm"][s]))]
+        self.assertEqual(non_finite, [7, 8])
         after = _ckpt_values(_ckpt(logdir, 9))
         (counter,) = [v for k, v in after.items() if "skipped_updates" in k]
         self.assertEqual(int(counter), 2)
