@@ -381,3 +381,41 @@ class ExceptLastTest(tf.test.TestCase):
     def test_1f1b_last_cell_never_recomputes(self):
         # In 1F1B the last cell runs each backward right after its forward.
         self.assertFalse({k for k, _ in self._recomputed("1f1b", 2, 4)} & {1})
+
+
+class BackwardOrderTest(tf.test.TestCase):
+
+    def test_previous_cell_recomputes_after_the_whole_backward_of_the_next(self):
+        # GPipe's memory bound assumes B(k, t) is one unit: if cell k-1 started
+        # recomputing micro-batch t before cell k's weight gradients ran, the executor
+        # could hold both cells' activations at once.
+        pipe = make_pipeline(mlp_layers(), num_cells=2, num_micro_batches=2, remat="always")
+
+        def step(batch):
+            with fprop_context.fprop_context(training=True):
+                return pipe.FPropAndGrads(pipe.theta, batch)[1].Flatten()
+
+        graph = tf.function(step, autograph=False).get_concrete_function(make_batch()).graph
+        for t in range(2):
+            weight_grads = [op for op in graph.get_operations()
+                            if op.name.startswith(f"gradient_tape/cell_1/bprop_mb_{t}/")
+                            and op.type == "MatMul" and op.get_attr("transpose_a")]
+            recompute = [op for op in graph.get_operations()
+                         if op.name.startswith(f"cell_0/bprop_mb_{t}/recompute/")]
+            self.assertNotEmpty(weight_grads)
+            self.assertNotEmpty(recompute)
+            ancestors = _ancestors(recompute[0])
+            for op in weight_grads:
+                self.assertTrue(op in ancestors, msg=f"{op.name} may run after cell 0 recomputes")
+
+
+def _ancestors(op: tf.Operation) -> set:
+    """Every op that `op` waits for, through data and control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [x.op for x in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen

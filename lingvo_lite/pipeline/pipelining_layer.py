@@ -459,6 +459,12 @@ class PipeliningLayer(base_layer.BaseLayer):
                     i = index_of[leaf.ref()]
                     grads[i] = g if grads[i] is None else grads[i] + g
             if k > 0:
+                # B(k-1, t) starts once B(k, t) has finished, weight gradients included:
+                # otherwise the executor may run the input-gradient chain ahead and keep
+                # cell k's activations alive while cell k-1 recomputes its own.
+                with tf.device(device), tf.control_dependencies(
+                        [g.values if isinstance(g, tf.IndexedSlices) else g for g in dw]):
+                    dx = [tf.identity(g) for g in dx]
                 dx_iter = iter(dx)
                 out_grads[(k - 1, t)] = _pack(
                     x, [next(dx_iter) if _is_float(v) else None for v in _flat(x)])
