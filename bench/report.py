@@ -56,9 +56,11 @@ work per example is the same on both sides and GPipe's ideal 2T/(T+1) applies; G
 always re-materialises (`always`). `except_last` at T=1 recomputes nothing while at T>1 it
 recomputes T-1 of T micro-batches, so its ratio also pays for the memory it saves. The
 profiler cannot see inside the serial cell calls, so the last column infers the devices' mean
-idle fraction from step times: naive model parallelism keeps exactly one device busy, so its
-step time is the total work W, which without recomputation does not grow with T; the mean
-idle fraction at T is then 1 - W / (K x step time). Figure 6 measures idle time per device
+idle fraction from step times: one serial device (K=1) running the same T micro-batches
+without recomputation does the total work W(T) that the K devices share, so their mean idle
+fraction is 1 - W(T) / (K x step time). W(T) is not constant (column "work"): where
+micro-batches of moderate size run faster per example than the whole batch, a ratio against
+T=1 can exceed 2T/(T+1). Figure 6 measures idle time per device
 from op traces, on the shared pool.""",
     "overhead": """\
 The pipeline at K=1, T=1 without remat emits the same forward ops as the plain step, one
@@ -81,16 +83,21 @@ weight, = weight bytes) plus activations; activations = peak - gradient bytes. M
 tanh layers of width 64 on N=2048 examples (activations dominate, as in the paper's large-batch
 regime); a = N x 64 x 4 bytes is one layer's output. GPipe's O(N + L/K x N/T) per device sums
 over K devices to K x N + L x N/T, i.e. K + L/T units of a (times the number of tensors a layer
-keeps, fitted from `never` at T=1). Peaks vary by a few % between runs because the 2 inter-op
-threads may overlap two micro-batches' recomputations differently.
+keeps, fitted from `never` at T=1). Peaks still vary between runs (up to ~15% at T=1): within
+a cell, the executor may run the chain of input gradients ahead of the weight gradients, which
+keeps those layers' inputs and output gradients alive a little longer.
 
-Finding: `except_last` saves far less than its description promises. With the `gpipe`
-schedule the last cell runs all T forwards before its first backward, so "keeping its
-activations" means keeping them for all T micro-batches: the last cell's L/K layers hold
-N x L/K activations, as without recomputation (the table: except_last is about never/2 + the
-recomputing cell's share at every T). The last cell could run F(t) B(t) back to back (its
-backward depends only on its own forward) without changing the bubble; then it would hold one
-micro-batch, as the parameter's doc says. Reported to the lead (schedule/executor code).""",
+Across cells that effect was larger and is now prevented: B(k-1, t) waits for the whole of
+B(k, t), weight gradients included (tests/pipeline_test.py, BackwardOrderTest). Before, cell
+k-1 could start recomputing while cell k's weight gradients were still pending, so both cells'
+activations were alive at once: four repeated T=1 measurements (2026-11-23) gave `always`
+6.3-15.2 MiB and `never` 8.3-13.2 MiB of activations; with the wait, 5.7-6.4 and 8.4-9.6.
+
+`except_last` keeps the activations only of the micro-batch whose backward directly follows
+its forward on the cell's device (with the `gpipe` schedule: the last micro-batch of each
+cell) and recomputes the other T-1, so from T=2 on its activations track `always` (one
+micro-batch more per cell at most) while it saves that micro-batch's recomputation; at T=1 it
+recomputes nothing and holds what `never` holds.""",
     "fits": """\
 Method (measured, not modelled): a K=1 pipeline with remat='always' and T micro-batches holds
 exactly what one device of a balanced K-cell GPipe pipeline holds (its weights, gradients,
@@ -204,10 +211,11 @@ def _serial_speedup_section(data: dict) -> tuple[list[str], dict]:
     times = {k: v["median_s"] for k, v in data["times"].items()}
     policies = ("never", "always", "except_last")
     ts = sorted({int(k.rsplit("_T", 1)[1]) for k in times if k.startswith("serial_")})
+    has_work = all(f"work_never_K1_T{t}" in times for t in ts)
     lines += ["| T | ideal 2T/(T+1) | " + " | ".join(
         f"remat={p}: step / speedup" for p in policies)
-        + " | theory (K-1)/(T+K-1) | inferred mean idle (never) |",
-        "|---|---|" + "---|" * len(policies) + "---|---|"]
+        + " | theory (K-1)/(T+K-1) | work W(T), K=1 | inferred mean idle (never) |",
+        "|---|---|" + "---|" * len(policies) + "---|---|---|"]
     summary: dict = {p: {} for p in policies}
     for t in ts:
         cells = []
@@ -215,12 +223,23 @@ def _serial_speedup_section(data: dict) -> tuple[list[str], dict]:
             m, base = times[f"serial_{p}_K2_T{t}"], times[f"serial_{p}_K2_T1"]
             summary[p][t] = base / m
             cells.append(f"{_fmt_s(m)} / {base / m:.2f}x")
-        # Naive MP on serial devices keeps exactly one device busy, so its step time is the
-        # total work W; without recomputation W does not grow with T (diagnostic below), so
-        # the devices' mean idle fraction at T is 1 - W / (K x step).
-        idle = 1 - times["serial_never_K2_T1"] / (K * times[f"serial_never_K2_T{t}"])
+        # One serial device does all the work of T micro-batches one op at a time, so its
+        # step time is the work W(T) the K devices share; their mean idle fraction at T is
+        # then 1 - W(T) / (K x step).
+        work = times.get(f"work_never_K1_T{t}")
+        work_cells = "- | -"
+        if has_work:
+            idle = 1 - work / (K * times[f"serial_never_K2_T{t}"])
+            work_cells = f"{_fmt_s(work)} | {idle:.3f}"
         lines.append(f"| {t} | {2 * t / (t + 1):.2f}x | " + " | ".join(cells)
-                     + f" | {(K - 1) / (t + K - 1):.3f} | {idle:.3f} |")
+                     + f" | {(K - 1) / (t + K - 1):.3f} | {work_cells} |")
+    if has_work and 8 in ts:
+        w1, w8 = times["work_never_K1_T1"], times["work_never_K1_T8"]
+        bubble_only = w8 * (8 + K - 1) / (K * 8)
+        lines += ["", f"Micro-batching on one serial device: W(8) / W(1) = {w8 / w1:.2f}x. A "
+                  "pipeline that lost nothing but GPipe's bubble would take W(T) x (T+K-1) / "
+                  f"(K x T) = {_fmt_s(bubble_only)} at T=8; remat=never takes "
+                  f"{times['serial_never_K2_T8'] / bubble_only:.2f}x that."]
     serial, shared = times["serial_never_K2_T1"], times["shared_never_K2_T1"]
     lines += ["", f"Naive model parallelism (K=2, T=1, remat=never) on the shared inter-op pool: "
               f"{_fmt_s(shared)}, vs {_fmt_s(serial)} on serial devices: the shared pool lets "
@@ -284,8 +303,10 @@ def render(results: dict) -> str:
         "# Benchmarks",
         "",
         "Written by `python bench/run_all.py" + (" --quick" if results["quick"] else "")
-        + "`; every number below comes from that one recorded run. Re-run it to refresh this "
-        "file (raw numbers: `bench/results.json`; re-render with "
+        + "`; every table, ratio and verdict below comes from that one recorded run (the "
+        "explanatory notes cite the profiles and side measurements they were written from, "
+        "with their dates). Re-run it to refresh this file (raw numbers: "
+        "`bench/results.json`; re-render with "
         "`python bench/run_all.py --from_json bench/results.json`).",
         "",
         f"- Date: {when:%Y-%m-%d %H:%M} UTC; run took {minutes:.0f} min"
@@ -301,9 +322,10 @@ def render(results: dict) -> str:
         "- Memory figures: BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`); timing figures: "
         "TensorFlow's default CPU allocator",
         f"- Load average (1/5/15 min) at start {tuple(round(x, 2) for x in m['load_start'])}, "
-        f"at end {tuple(round(x, 2) for x in m.get('load_end', (0, 0, 0)))}: other engineers' "
-        "tests shared the 2 cores, so absolute times are noisy; ratios are measured side by "
-        "side (interleaved rounds in one process), medians of 5 rounds",
+        f"at end {tuple(round(x, 2) for x in m.get('load_end', (0, 0, 0)))} (the benchmark "
+        "itself keeps about 1 busy; more means other processes shared the 2 cores): absolute "
+        "times are noisy, so ratios are measured side by side (interleaved rounds in one "
+        "process), medians of 5 rounds",
         "- Optimizer in every timed step: momentum SGD applied on each weight's device",
         "",
     ]

@@ -71,8 +71,10 @@ def fig_speedup_serial() -> dict:
 
     For each remat policy, K=2 at every T against naive model parallelism (K=2, T=1)
     with the same policy, so per-micro-batch work is equal and the ideal is 2T/(T+1).
-    Also naive K=2, T=1 without serial devices: how many cores the shared inter-op
-    pool lets the sequential baseline use.
+    K=1 on one serial device at every T (no recomputation) measures the total work W(T)
+    the pipeline spreads over its devices, so the bubble can be separated from what
+    micro-batching itself costs. Also naive K=2, T=1 without serial devices: how many
+    cores the shared inter-op pool lets the sequential baseline use.
     """
     layers, shapes, make_batch = bench_lib.model(FLAGS.model, FLAGS.quick)
     batch = make_batch()
@@ -81,6 +83,9 @@ def fig_speedup_serial() -> dict:
         for t in _ts():
             pipe = bench_lib.make_pipeline(layers, shapes, 2, t, remat, serial_devices=True)
             steps[f"serial_{remat}_K2_T{t}"] = (bench_lib.pipeline_train_step(pipe)[0], batch)
+    for t in _ts():
+        pipe = bench_lib.make_pipeline(layers, shapes, 1, t, "never", serial_devices=True)
+        steps[f"work_never_K1_T{t}"] = (bench_lib.pipeline_train_step(pipe)[0], batch)
     shared = bench_lib.make_pipeline(layers, shapes, 2, 1, "never")
     steps["shared_never_K2_T1"] = (bench_lib.pipeline_train_step(shared)[0], batch)
     return {"model": FLAGS.model,
