@@ -203,7 +203,7 @@ def bn_layers() -> list:
     ]
 
 
-class PipelineBatchNormTest(tf.test.TestCase):
+class PipelineBatchNormTest(tf.test.TestCase, parameterized.TestCase):
 
     def _numpy_loss(self, pipe, batch, num_micro_batches):
         """Hand-written model: projection, batch norm per micro-batch, softmax xent."""
@@ -222,9 +222,13 @@ class PipelineBatchNormTest(tf.test.TestCase):
         labels = batch.labels.numpy()
         return -log_probs[np.arange(BATCH), labels].mean(), h
 
-    def test_per_micro_batch_statistics_and_pooled_moving_averages(self):
+    @parameterized.named_parameters(("", False), ("_serial_devices", True))
+    def test_per_micro_batch_statistics_and_pooled_moving_averages(self, serial_devices):
+        # With serial devices the statistics are computed inside the cells' function
+        # calls and must still reach the caller's collector.
         num_micro = 4
-        pipe = make_pipeline(bn_layers(), num_cells=2, num_micro_batches=num_micro)
+        pipe = make_pipeline(bn_layers(), num_cells=2, num_micro_batches=num_micro,
+                             serial_devices=serial_devices)
         batch = make_batch()
         collector = fprop_context.UpdateCollector()
 

@@ -17,7 +17,7 @@ import pipeline_test as pt
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite import base_layer
 from lingvo_lite.layers import composite, structural
 
 SLEEP_S = 0.05
@@ -98,31 +98,6 @@ class SerialDevicesEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(grads, len(self.ref_grads))
         for ref_g, g in zip(self.ref_grads, grads):
             self.assertAllClose(ref_g, g, rtol=pt.RTOL, atol=pt.ATOL)
-
-    def test_batch_norm_statistics_leave_the_serial_call(self):
-        num_micro = 4
-        pipe = pt.make_pipeline(pt.bn_layers(), num_cells=2, num_micro_batches=num_micro,
-                                serial_devices=True)
-        batch = pt.make_batch()
-        collector = fprop_context.UpdateCollector()
-
-        @tf.function(autograph=False)
-        def step(batch):
-            with fprop_context.fprop_context(training=True, updates=collector):
-                out, _ = pipe.FPropAndGrads(pipe.theta, batch)
-            with tf.control_dependencies(collector.apply()):
-                return tf.identity(out.loss)
-
-        step(batch)
-        bn = pipe.layers[1].sub
-        theta = pipe.theta.layers[0].sub
-        h = batch.x.numpy() @ theta.w.numpy() + theta.b.numpy()
-        # One pooled update from the whole mini-batch (decay 0.9, initial mean 0, var 1).
-        self.assertAllClose(0.1 * h.mean(0), bn.moving_mean, rtol=1e-5, atol=1e-6)
-        self.assertAllClose(0.9 + 0.1 * h.var(0), bn.moving_variance, rtol=1e-5)
-        (layer, stats), = collector.items()
-        self.assertIs(layer, bn)
-        self.assertLen(stats, num_micro)
 
     def test_eval_forward_matches_unpipelined_model(self):
         pipe = pt.make_pipeline(pt.mlp_layers(), 2, 4, serial_devices=True)
