@@ -114,15 +114,16 @@ to last cell op) in which no op of that cell runs; it includes load imbalance an
 other processes on the shared cores, which GPipe's (K-1)/(T+K-1) does not model. `bubble` is
 the part the busiest device also waits (pipeline fill/drain and dependency waits).
 
-Why T=16 misses (boxes of the second profiled transformer step at T=16, recorded
-2026-11-22 09:50 run; profiling stretched that step to 1.09 s): device 0's forwards end at
-159 ms but device 1's (taped last micro-batch, loss) end at 220 ms, and device 0's first
-backward can start only at 244 ms, after device 1's: device 0 idles ~85 ms. Then device 0's
-recompute + backward (779 ms busy) runs ~13% longer than device 1's (691 ms), so device 1
-idles its last ~130 ms. GPipe's (K-1)/(T+K-1) assumes every cell's forward and backward take
-equal time; here the per-phase differences are paid once per micro-batch, so their share does
-not shrink with T while the theoretical bubble does. Added to that, on the shared pool a lone
-cell's ops spread over both cores during fill and drain (figure 1 notes), so the busy
+Why T=16 misses (boxes of the second profiled transformer step at T=16 of the 2026-11-23
+13:03 run, 694 ms): device 0 finishes its 16 forwards at 115 ms, but device 1's forwards (the
+loss, and the taped last micro-batch) end at 151 ms and its first backward at 173 ms, so
+device 0 waits 58 ms before its first backward. In the drain, a micro-batch's recompute +
+backward takes device 1 30.5 ms and device 0 28.7 ms (busy time / 16), so device 0 waits a
+little on each: its idle fraction of the pipelined phase is 0.178, device 1's 0.115. GPipe's
+(K-1)/(T+K-1) = 0.059 assumes every cell's forward and backward take equal time; here the
+differences are paid per micro-batch, so their share does not shrink with T while the
+theoretical bubble does. Added to that, on the shared pool a lone cell's ops spread over both
+cores during fill and drain (figure 1 notes), so the busy
 fractions here are not those of one-op-at-a-time devices. Closing it needs phase-balanced
 cells (equal forward and equal backward time per cell), e.g. partition costs measured from a
 profiled step rather than FLOPs.""",
