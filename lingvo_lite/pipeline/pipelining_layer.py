@@ -313,7 +313,6 @@ class PipeliningLayer(base_layer.BaseLayer):
             )
         return out
 
-
     def _split(self, inputs: Any) -> tuple[list[Any], int, int]:
         p = self.params
         batch_size = micro_batch.batch_size_of(inputs, p.batch_dim)
