@@ -60,8 +60,8 @@ idle fraction from step times: one serial device (K=1) running the same T micro-
 without recomputation does the total work W(T) that the K devices share, so their mean idle
 fraction is 1 - W(T) / (K x step time). W(T) is not constant (column "work"): where
 micro-batches of moderate size run faster per example than the whole batch, a ratio against
-T=1 can exceed 2T/(T+1). Figure 6 measures idle time per device
-from op traces, on the shared pool.""",
+T=1 can exceed 2T/(T+1). Figure 6 measures idle time per device from op traces, on the
+shared pool.""",
     "overhead": """\
 The pipeline at K=1, T=1 without remat emits the same forward ops as the plain step, one
 GradientTape per cell with explicit output gradients, and a `tf.identity`/control-dependency
@@ -123,10 +123,10 @@ little on each: its idle fraction of the pipelined phase is 0.178, device 1's 0.
 (K-1)/(T+K-1) = 0.059 assumes every cell's forward and backward take equal time; here the
 differences are paid per micro-batch, so their share does not shrink with T while the
 theoretical bubble does. Added to that, on the shared pool a lone cell's ops spread over both
-cores during fill and drain (figure 1 notes), so the busy
-fractions here are not those of one-op-at-a-time devices. Closing it needs phase-balanced
-cells (equal forward and equal backward time per cell), e.g. partition costs measured from a
-profiled step rather than FLOPs.""",
+cores during fill and drain (figure 1 notes), so the busy fractions here are not those of
+one-op-at-a-time devices. Closing it needs phase-balanced cells (equal forward and equal
+backward time per cell), e.g. partition costs measured from a profiled step rather than
+FLOPs.""",
     "partition": """\
 Cost-model imbalance = max/mean of FPropMeta FLOPs per cell for the partition the
 PipeliningLayer would compute (min_max objective, exact DP). Measured imbalance = max/mean of
