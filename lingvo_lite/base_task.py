@@ -90,6 +90,24 @@ class BaseTask(base_layer.BaseLayer):
         """Trainable variables in theta order."""
         return [v for v in self.vars.Flatten() if v.trainable]
 
+    def replica_thetas(self) -> list[NestedMap]:
+        """The theta of each data-parallel replica; replica 0's is `self.theta`."""
+        return [self.theta]
+
+    def replica_variable_pairs(self) -> list[tuple[tf.Variable, tf.Variable]]:
+        """(variable, its copy in another replica) for every replica copy of a weight."""
+        return []
+
+    def sync_replicas(self) -> None:
+        """Copies replica 0's weights and optimizer slots to the other replicas.
+
+        Call after anything changes replica 0's weights outside a training step
+        (restoring a checkpoint, warm-starting); the trainer does.
+        """
+        for var, copy in self.replica_variable_pairs():
+            copy.assign(var)
+            self._optimizer.copy_slots(var, copy)
+
     def learning_rate(self, step: tf.Tensor | None = None) -> tf.Tensor:
         step = self._global_step if step is None else step
         return self.params.train.learning_rate * self._schedule.value(step)
@@ -103,10 +121,12 @@ class BaseTask(base_layer.BaseLayer):
         if self._optimizer_ready:
             return
         self._optimizer.create_slots(self.trainable_vars())
+        self._optimizer.create_slots([copy for _, copy in self.replica_variable_pairs()])
         tp = self.params.train
         if tp.init_from_checkpoint:
             warm_start.warm_start(self.checkpoint_variables(), tp.init_from_checkpoint,
                                   tp.init_exclude)
+            self.sync_replicas()
         self._optimizer_ready = True
 
     def ComputeLossAndGrads(  # noqa: N802
@@ -123,6 +143,18 @@ class BaseTask(base_layer.BaseLayer):
         grads = tape.gradient(out.loss, flat)
         return out, theta.Pack(list(grads))
 
+    def ComputeReplicaLossAndGrads(  # noqa: N802
+        self, thetas: list[NestedMap], input_batch: NestedMap
+    ) -> tuple[NestedMap, list[NestedMap]]:
+        """Forward and backward of one mini-batch over the data-parallel replicas.
+
+        Returns (metrics, grads) where grads[r], shaped like thetas[r], is the
+        gradient of the whole mini-batch's loss to apply to replica r. Tasks
+        without replicas (the default) have one.
+        """
+        out, grads = self.ComputeLossAndGrads(thetas[0], input_batch)
+        return out, [grads]
+
     def TrainStep(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
         """One optimizer step on a mini-batch: forward, backward, update, side updates.
 
@@ -134,29 +166,36 @@ class BaseTask(base_layer.BaseLayer):
         tp = self.params.train
         collector = fprop_context.UpdateCollector()
         step_seed = tf.cast(self._global_step % (2**31 - 1), tf.int32)
-        theta = self.theta
+        thetas = self.replica_thetas()
         with fprop_context.fprop_context(training=True, step_seed=step_seed,
                                          example_offset=0, updates=collector):
-            out, grads = self.ComputeLossAndGrads(theta, input_batch)
-        pairs = [
-            (g, v) for g, v in zip(grads.Flatten(), theta.Flatten())
-            if isinstance(v, tf.Variable) and v.trainable and g is not None
+            out, replica_grads = self.ComputeReplicaLossAndGrads(thetas, input_batch)
+        # One (gradient, variable) list per replica; the gradients are equal across
+        # replicas, so norms and metrics are computed on replica 0's and every replica
+        # applies the same update to its own weights.
+        replica_pairs = [
+            [(g, v) for g, v in zip(grads.Flatten(), theta.Flatten())
+             if isinstance(v, tf.Variable) and v.trainable and g is not None]
+            for grads, theta in zip(replica_grads, thetas)
         ]
         metrics = scalar_outputs(out)
         if tp.l2_regularizer_weight:
-            pairs, l2_loss = self._add_l2(pairs, tp.l2_regularizer_weight)
-            metrics.l2_loss = l2_loss
-            metrics.loss = metrics.loss + l2_loss
-        grad_list = [g for g, _ in pairs]
-        grad_norm = tf.linalg.global_norm(grad_list)
+            added = [self._add_l2(pairs, tp.l2_regularizer_weight) for pairs in replica_pairs]
+            replica_pairs = [pairs for pairs, _ in added]
+            metrics.l2_loss = added[0][1]
+            metrics.loss = metrics.loss + metrics.l2_loss
+        pairs = replica_pairs[0]
+        grad_norm = tf.linalg.global_norm([g for g, _ in pairs])
         all_finite = tf.math.is_finite(grad_norm) & tf.math.is_finite(metrics.loss)
         if tp.clip_gradient_norm_to_value:
-            grad_list, _ = tf.clip_by_global_norm(
-                grad_list, tp.clip_gradient_norm_to_value, use_norm=grad_norm)
+            replica_pairs = [
+                list(zip(tf.clip_by_global_norm([g for g, _ in ps], tp.clip_gradient_norm_to_value,
+                                                use_norm=grad_norm)[0], [v for _, v in ps]))
+                for ps in replica_pairs]
         lr = self.learning_rate()
 
         def update() -> tf.Tensor:
-            ops = [self._optimizer.apply(list(zip(grad_list, [v for _, v in pairs])), lr)]
+            ops = [self._optimizer.apply([gv for ps in replica_pairs for gv in ps], lr)]
             ops += collector.apply()
             with tf.control_dependencies(ops):
                 return tf.constant(True)
@@ -195,7 +234,9 @@ class BaseTask(base_layer.BaseLayer):
         """Every variable to save, keyed by a stable path (independent of the partition)."""
         named = {f"model/{path}": v for path, v in self.vars.FlattenItems()}
         named["global_step"] = self._global_step
-        named.update({f"optimizer/{k}": v for k, v in self._optimizer.slot_variables().items()})
+        # Replica copies of the weights (and their slots) equal replica 0's: not saved.
+        slots = self._optimizer.slot_variables(self.trainable_vars())
+        named.update({f"optimizer/{k}": v for k, v in slots.items()})
         return named
 
 

@@ -47,13 +47,21 @@ class BaseOptimizer:
                     for name, init in self._slot_names().items()
                 }
 
-    def slot_variables(self) -> dict[str, tf.Variable]:
-        """Every slot, keyed '<variable name>/<slot name>' (for checkpoints)."""
+    def slot_variables(self, variables: Sequence[tf.Variable] | None = None
+                       ) -> dict[str, tf.Variable]:
+        """The slots of `variables` (default: all), keyed '<variable name>/<slot name>'."""
+        names = None if variables is None else {v.name for v in variables}
         return {
             f"{var_name}/{slot}": v
             for var_name, slots in sorted(self._slots.items())
+            if names is None or var_name in names
             for slot, v in sorted(slots.items())
         }
+
+    def copy_slots(self, source: tf.Variable, target: tf.Variable) -> None:
+        """Sets `target`'s slots to `source`'s values (data-parallel replicas)."""
+        for name, slot in self._slots.get(source.name, {}).items():
+            self._slots[target.name][name].assign(slot)
 
     def apply(self, grads_and_vars: Sequence[tuple[tf.Tensor, tf.Variable]],
               learning_rate: tf.Tensor) -> tf.Operation:

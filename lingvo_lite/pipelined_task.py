@@ -40,3 +40,16 @@ class PipelinedTask(base_task.BaseTask):
     ) -> tuple[NestedMap, NestedMap]:
         out, grads = self.network.FPropAndGrads(theta.network, self.NetworkInputs(input_batch))
         return base_task.scalar_outputs(out), NestedMap(network=grads)
+
+    def replica_thetas(self) -> list[NestedMap]:
+        return [NestedMap(network=t) for t in self.network.replica_thetas(self.theta.network)]
+
+    def replica_variable_pairs(self) -> list:
+        return self.network.replica_variable_pairs()
+
+    def ComputeReplicaLossAndGrads(  # noqa: N802
+        self, thetas: list[NestedMap], input_batch: NestedMap
+    ) -> tuple[NestedMap, list[NestedMap]]:
+        out, grads = self.network.FPropAndReplicaGrads(
+            [t.network for t in thetas], self.NetworkInputs(input_batch))
+        return base_task.scalar_outputs(out), [NestedMap(network=g) for g in grads]

@@ -37,7 +37,7 @@ from tensorflow.python.eager import context as tf_context
 from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import micro_batch, partition, placement, schedule
+from lingvo_lite.pipeline import collectives, micro_batch, partition, placement, schedule
 
 REMAT_MODES = ("always", "except_last", "never")
 # Grappler rewrites that merge a recomputed forward back into the original one
@@ -162,7 +162,13 @@ class PipeliningLayer(base_layer.BaseLayer):
             "used by FPropMeta to estimate layer costs. Required unless partitioning "
             "is 'uniform' or 'explicit'.",
         )
-        p.Define("num_micro_batches", 1, "T: micro-batches per mini-batch.")
+        p.Define(
+            "num_replicas", 1,
+            "R: data-parallel replicas of the whole pipeline (R x K devices). The mini-batch "
+            "is split into R equal shards, each pipelined over its replica's K cells; cell k's "
+            "gradients are summed over the replicas with a collective all-reduce on the cells' "
+            "devices. Train with FPropAndReplicaGrads.")
+        p.Define("num_micro_batches", 1, "T: micro-batches per mini-batch (per replica).")
         p.Define("micro_batch_size", None,
                  "Alternative to num_micro_batches: examples per micro-batch.")
         p.Define("batch_dim", 0, "The batch dimension of every input tensor.")
@@ -200,12 +206,27 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: remat={p.remat!r}; use one of {REMAT_MODES}.")
         if p.remat != "never":
             keep_recomputation_in_graphs()
+        if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) \
+                or p.num_replicas < 1:
+            raise ValueError(f"{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1.")
         self._partition = self.ComputePartition(p)
-        self._devices = placement.resolve_devices(p.placement, self._partition.num_cells)
+        self._mesh = placement.resolve_mesh(p.placement, p.num_replicas,
+                                            self._partition.num_cells)
+        self._devices = self._mesh[0]
+        self._active_replica: int | None = None  # Set while FPropAndReplicaGrads runs one.
         layer_devices = [
             self._devices[self._partition.cell_of_layer(i)] for i in range(len(p.layers))
         ]
         self.CreateChildren("layers", list(p.layers), devices=layer_devices)
+        # Replicas 1..R-1 hold copies of the trainable weights on their own devices
+        # (non-trainable state, e.g. batch-norm moving statistics, is kept once).
+        self._replica_vars = [self._copy_trainable_vars(r) for r in range(1, p.num_replicas)]
+        self._gradient_all_reduce = []
+        if p.num_replicas > 1:
+            self._gradient_all_reduce = [
+                collectives.AllReduce([row[k] for row in self._mesh])
+                for k in range(self.num_cells)
+            ]
 
     # -- static analysis -----------------------------------------------------
 
@@ -279,6 +300,41 @@ class PipeliningLayer(base_layer.BaseLayer):
     def num_cells(self) -> int:
         return self._partition.num_cells
 
+    @property
+    def num_replicas(self) -> int:
+        return self.params.num_replicas
+
+    @property
+    def mesh(self) -> list[list[str]]:
+        """`mesh[r][k]`: the device of cell k of replica r."""
+        return [list(row) for row in self._mesh]
+
+    def _copy_trainable_vars(self, replica: int) -> NestedMap:
+        """Replica `replica`'s theta: copies of the trainable weights on its cells' devices."""
+        layers = []
+        for i, layer_vars in enumerate(self.vars.layers):
+            device = self._mesh[replica][self._partition.cell_of_layer(i)]
+
+            def copy(v: tf.Variable, device: str = device) -> tf.Variable:
+                if not v.trainable:
+                    return v
+                with tf.device(device):
+                    return tf.Variable(v.read_value(), trainable=True,
+                                       name=f"replica_{replica}/{v.name.split(':')[0]}")
+
+            layers.append(layer_vars.Transform(copy))
+        return NestedMap(layers=layers)
+
+    def replica_thetas(self, theta: NestedMap) -> list[NestedMap]:
+        """The theta of every replica: `theta` itself for replica 0, then the copies."""
+        return [theta] + list(self._replica_vars)
+
+    def replica_variable_pairs(self) -> list[tuple[tf.Variable, tf.Variable]]:
+        """(replica 0 variable, copy) for every copied variable of every other replica."""
+        primary = self.vars.Flatten()
+        return [(v, c) for copies in self._replica_vars
+                for v, c in zip(primary, copies.Flatten()) if c is not v]
+
     def cell_layers(self, k: int) -> range:
         start, stop = self._partition.cell_layer_ranges[k]
         return range(start, stop)
@@ -323,6 +379,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         """Forward only (eval and inference), pipelined over the same cells and devices."""
         xs, num_micro, micro_size = self._split(inputs)
         sched = self.make_schedule(num_micro)
+        base_offset = fprop_context.current().example_offset
         outputs: dict[int, Any] = {}
         boundary = {(0, t): x for t, x in enumerate(xs)}
         for action in sched.actions():
@@ -330,7 +387,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                 continue
             k, t = action.cell, action.micro_batch
             with tf.device(self._devices[k]), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
-                    fprop_context.fprop_context(example_offset=t * micro_size):
+                    fprop_context.fprop_context(example_offset=base_offset + t * micro_size):
                 y = self._cell_fprop(theta, k, boundary.pop((k, t)))
             if k == self.num_cells - 1:
                 outputs[t] = y
@@ -379,8 +436,15 @@ class PipeliningLayer(base_layer.BaseLayer):
           trainable leaf (None for non-trainable ones), summed over micro-batches
           on each cell's device.
         """
+        if self.num_replicas > 1 and self._active_replica is None:
+            raise ValueError(
+                f"{self.path} has num_replicas={self.num_replicas}: train it with "
+                "FPropAndReplicaGrads(replica_thetas(theta), inputs), which updates every "
+                "replica's weights, or set num_replicas=1.")
+        devices = self._mesh[self._active_replica or 0]
         xs, num_micro, micro_size = self._split(inputs)
         sched = self.make_schedule(num_micro)
+        base_offset = fprop_context.current().example_offset
         num_cells = self.num_cells
         flat_theta = theta.Flatten()
         index_of = {leaf.ref(): i for i, leaf in enumerate(flat_theta) if leaf is not None}
@@ -398,8 +462,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 
         for action in sched.actions():
             k, t = action.cell, action.micro_batch
-            device = self._devices[k]
-            offset = t * micro_size
+            device = devices[k]
+            offset = base_offset + t * micro_size
             if action.phase is schedule.Phase.FORWARD:
                 x = boundary[(k, t)]
                 with tf.device(device), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
@@ -476,6 +540,88 @@ class PipeliningLayer(base_layer.BaseLayer):
             grads = [g if g is None else g / tf.cast(total, g.dtype) for g in grads]
         merged = micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
         return merged, theta.Pack(grads)
+
+    def FPropAndReplicaGrads(  # noqa: N802
+        self, thetas: list[NestedMap], inputs: Any
+    ) -> tuple[Any, list[NestedMap]]:
+        """Data-parallel training step: R replicas of the pipeline on R shards of the batch.
+
+        The mini-batch is split along `batch_dim` into R equal shards; replica r runs
+        `FPropAndGrads` on shard r with `thetas[r]` on its own devices (`mesh[r]`), its
+        examples numbered from its shard's start in the whole mini-batch (dropout masks do
+        not depend on R). Cell k's gradients are then summed over the replicas by one
+        collective all-reduce per cell on the cells' devices, and weighted so that the
+        result is the gradient of the whole mini-batch's loss.
+
+        Args:
+          thetas: `replica_thetas(theta)`, one theta per replica.
+          inputs: the mini-batch (its size divisible by R x T).
+
+        Returns:
+          (outputs, grads): the merged outputs of all replicas (scalars are the
+          mini-batch means) and, per replica, the mini-batch gradient shaped like its
+          theta and placed on its devices (equal values): apply grads[r] to thetas[r].
+        """
+        p = self.params
+        if len(thetas) != self.num_replicas:
+            raise ValueError(f"{self.path}: FPropAndReplicaGrads got {len(thetas)} thetas for "
+                             f"num_replicas={self.num_replicas}; pass replica_thetas(theta).")
+        batch_size = micro_batch.batch_size_of(inputs, p.batch_dim)
+        if batch_size % self.num_replicas:
+            raise ValueError(
+                f"The mini-batch of {batch_size} examples does not split into "
+                f"num_replicas={self.num_replicas} equal shards; make input.batch_size a "
+                f"multiple of {self.num_replicas}.")
+        shard_size = batch_size // self.num_replicas
+        base_offset = fprop_context.current().example_offset
+        outputs, grads = [], []
+        for r, shard in enumerate(micro_batch.split(inputs, self.num_replicas, p.batch_dim)):
+            self._active_replica = r
+            try:
+                scope = (tf.name_scope(f"replica_{r}") if self.num_replicas > 1
+                         else contextlib.nullcontext())
+                with scope, fprop_context.fprop_context(
+                        example_offset=base_offset + r * shard_size):
+                    out, g = self.FPropAndGrads(thetas[r], shard)
+            finally:
+                self._active_replica = None
+            outputs.append(out)
+            grads.append(g)
+        weights = [self._micro_batch_weight(o) for o in outputs]
+        if self.num_replicas == 1:
+            return outputs[0], grads
+        if weights[0] is None:
+            weights = [tf.constant(1.0)] * self.num_replicas
+        return (micro_batch.merge(outputs, p.batch_dim, self._loss_weights(outputs)),
+                self._all_reduce_grads(grads, weights))
+
+    def _all_reduce_grads(self, grads: list[NestedMap],
+                          weights: list[tf.Tensor]) -> list[NestedMap]:
+        """sum_r w_r g_r / sum_r w_r for every gradient, on each replica's devices."""
+        flat = [g.Flatten() for g in grads]
+        reduced = [list(f) for f in flat]
+        cell_of_leaf = self._cell_of_theta_leaves()
+        for k, all_reduce in enumerate(self._gradient_all_reduce):
+            idx = [i for i, g in enumerate(flat[0]) if g is not None and cell_of_leaf[i] == k]
+            if not idx:
+                continue
+            members = []
+            for r, device in enumerate(all_reduce.devices):
+                with tf.device(device):
+                    w = tf.cast(weights[r], tf.float32)
+                    members.append([flat[r][i] * tf.cast(w, flat[r][i].dtype) for i in idx]
+                                   + [w])
+            for r, summed in enumerate(all_reduce(members)):
+                with tf.device(all_reduce.devices[r]):
+                    total = tf.maximum(summed[-1], 1e-8)
+                    for i, g in zip(idx, summed[:-1]):
+                        reduced[r][i] = g / tf.cast(total, g.dtype)
+        return [g.Pack(f) for g, f in zip(grads, reduced)]
+
+    def _cell_of_theta_leaves(self) -> list[int]:
+        """The cell of each leaf of theta, in `theta.Flatten()` order."""
+        return [self._partition.cell_of_layer(i)
+                for i, layer_vars in enumerate(self.vars.layers) for _ in layer_vars.Flatten()]
 
     @staticmethod
     def _micro_batch_weight(output: Any) -> tf.Tensor | None:

@@ -20,11 +20,12 @@ def _local_devices(device_type: str) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices(device_type)]
 
 
-def _require(devices: list[str], num_cells: int, kind: str, fix: str) -> list[str]:
+def _require(devices: list[str], num_cells: int, kind: str, fix: str,
+             what: str = "cells") -> list[str]:
     if len(devices) < num_cells:
         raise ValueError(
-            f"placement={kind!r}: the pipeline has {num_cells} cells but only {len(devices)} "
-            f"{kind} device(s) exist. {fix}"
+            f"placement={kind!r}: the pipeline needs {num_cells} {what} but only "
+            f"{len(devices)} {kind} device(s) exist. {fix}"
         )
     return devices[:num_cells]
 
@@ -38,42 +39,69 @@ def cluster_devices(num_cells: int, job: str = "worker", device_type: str = "CPU
     ]
 
 
-def resolve_devices(placement: str | Sequence[str], num_cells: int) -> list[str]:
+def resolve_mesh(placement: str | Sequence[str], num_replicas: int,
+                 num_cells: int) -> list[list[str]]:
+    """The device of cell k of replica r, as `mesh[r][k]`: R x K distinct devices.
+
+    Replica-major: with local devices 0..R*K-1, replica r holds devices r*K .. r*K+K-1, so
+    each replica's cells are neighbours (on GPUs, the boundary copies stay within a group of
+    adjacent cards; in a cluster, replica r's cells on consecutive tasks).
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas={num_replicas}; a mesh needs at least one replica.")
+    flat = resolve_devices(placement, num_replicas * num_cells, what="devices (num_replicas x "
+                           "num_cells)")
+    return [flat[r * num_cells:(r + 1) * num_cells] for r in range(num_replicas)]
+
+
+def describe_mesh(mesh: Sequence[Sequence[str]]) -> str:
+    """One line per replica: `replica r: cell 0 -> device, cell 1 -> device, ...`."""
+    return "\n".join(
+        f"replica {r}: " + ", ".join(f"cell {k} -> {d}" for k, d in enumerate(row))
+        for r, row in enumerate(mesh))
+
+
+def resolve_devices(placement: str | Sequence[str], num_cells: int,
+                    what: str = "cells") -> list[str]:
     """The device of each cell.
 
     Args:
       placement: 'auto' (GPUs if there are enough, else TPU cores, else logical
         CPUs), 'cpu', 'gpu', 'tpu', 'cluster' or 'cluster:<job>' (task k of the
         job, connect to the cluster first), or an explicit list of device names.
-      num_cells: K.
+      num_cells: K, the number of devices wanted.
+      what: how the devices are named in errors.
     """
     if not isinstance(placement, str):
         devices = list(placement)
         if len(devices) != num_cells:
             raise ValueError(
-                f"placement lists {len(devices)} devices for {num_cells} cells; "
-                "give exactly one device per cell."
+                f"placement lists {len(devices)} devices for {num_cells} {what}; "
+                "give exactly one device per cell of each replica."
             )
         return devices
     kind, _, job = placement.partition(":")
     cpu_fix = (
         "Create logical CPU devices before TensorFlow starts: "
-        "lingvo_lite.devices.configure_logical_cpus(K), or trainer.py --num_logical_cpus=K."
+        "lingvo_lite.devices.configure_logical_cpus(R x K), or trainer.py "
+        "--num_logical_cpus=R x K."
     )
     if kind == "auto":
         for device_type in ("GPU", "TPU"):
             devices = _local_devices(device_type)
             if len(devices) >= num_cells and devices:
                 return devices[:num_cells]
-        return _require(_local_devices("CPU"), num_cells, "cpu", cpu_fix)
+        return _require(_local_devices("CPU"), num_cells, "cpu", cpu_fix, what)
     if kind == "cpu":
-        return _require(_local_devices("CPU"), num_cells, "cpu", cpu_fix)
+        return _require(_local_devices("CPU"), num_cells, "cpu", cpu_fix, what)
     if kind == "gpu":
         return _require(_local_devices("GPU"), num_cells, "gpu",
-                        "Use fewer cells (num_cells) or placement='cpu'.")
+                        "Use fewer cells (num_cells) or replicas (num_replicas), or "
+                        "placement='cpu'.", what)
     if kind == "tpu":
         return _require(_local_devices("TPU"), num_cells, "tpu",
-                        "Connect to the TPU (tf.distribute.TPUStrategy) or use fewer cells.")
+                        "Connect to the TPU (tf.distribute.TPUStrategy) or use fewer cells.",
+                        what)
     if kind == "cluster":
         return cluster_devices(num_cells, job=job or "worker")
     raise ValueError(
