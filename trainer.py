@@ -60,6 +60,10 @@ _NUM_CELLS = flags.DEFINE_integer(
     "num_cells", None, "Sets num_cells (K) of every PipeliningLayer in the params.")
 _NUM_MICRO_BATCHES = flags.DEFINE_integer(
     "num_micro_batches", None, "Sets num_micro_batches (T) of every PipeliningLayer.")
+_NUM_REPLICAS = flags.DEFINE_integer(
+    "num_replicas", None,
+    "Sets num_replicas (R, data-parallel replicas of the pipeline) of every PipeliningLayer; "
+    "the run uses R x K devices.")
 _SEED = flags.DEFINE_integer(
     "seed", None, "Sets the task's random_seed and the train input's seed.")
 _INSPECT_NUM_CELLS = flags.DEFINE_list(
@@ -97,6 +101,7 @@ def _options() -> options_lib.RunOptions:
         inter_op_threads=_INTER_OP_THREADS.value,
         num_cells=_NUM_CELLS.value,
         num_micro_batches=_NUM_MICRO_BATCHES.value,
+        num_replicas=_NUM_REPLICAS.value,
         seed=_SEED.value,
         inspect_num_cells=tuple(
             options_lib.parse_int_list("inspect_num_cells", _INSPECT_NUM_CELLS.value)),

@@ -13,6 +13,11 @@ pipeline_test.py, and 1e-4 / 1e-5 on weights after 10 steps, where rounding comp
 
 from __future__ import annotations
 
+import io
+import os
+import shutil
+import tempfile
+
 import tensorflow as tf
 from absl.testing import parameterized
 from pipeline_test import BATCH, WIDTH, _drop, _field, _loss, _proj, input_shapes, make_batch
@@ -21,6 +26,7 @@ from lingvo_lite import fprop_context, optimizers, pipelined_task
 from lingvo_lite.layers import composite, normalization
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.training import options, runner
 
 RTOL, ATOL = 2e-5, 2e-7
 BN_INDEX = 4
@@ -179,3 +185,29 @@ class MeshTrainingTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class MeshTrainerTest(tf.test.TestCase):
+
+    def test_trainer_with_replicas_ends_like_a_single_device_run(self):
+        # R=2 x T=2 cuts the batch into the same 4 micro-batches as R=1 x T=4 on one device.
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        runs = {"mesh": dict(num_replicas=2, num_cells=2, num_micro_batches=2),
+                "single": dict(num_replicas=1, num_cells=1, num_micro_batches=4)}
+        for name, flags in runs.items():
+            out = io.StringIO()
+            status = runner.main(options.RunOptions(
+                model="testdata_models.TinyMlp", model_modules=("testdata_models",),
+                logdir=os.path.join(root, name), max_steps=8, **flags), out=out, err=out)
+            self.assertEqual(0, status, msg=out.getvalue())
+        paths = {name: tf.train.latest_checkpoint(os.path.join(root, name, "checkpoints"))
+                 for name in runs}
+        keys = {name: sorted(k for k, _ in tf.train.list_variables(path))
+                for name, path in paths.items()}
+        self.assertEqual(keys["single"], keys["mesh"])  # One copy of the weights and slots.
+        for key in keys["single"]:
+            if key.startswith("model/"):
+                self.assertAllClose(tf.train.load_variable(paths["single"], key),
+                                    tf.train.load_variable(paths["mesh"], key),
+                                    rtol=1e-5, atol=1e-6, msg=key)

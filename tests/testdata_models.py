@@ -16,10 +16,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_input_generator, base_layer, base_task, hyperparams, model_registry
+from lingvo_lite import (
+    base_input_generator,
+    base_layer,
+    hyperparams,
+    model_registry,
+    pipelined_task,
+)
 from lingvo_lite.layers import dense, losses
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import pipelining_layer
 
 INPUT_DIM = 8
 HIDDEN_DIM = 16
@@ -105,32 +110,11 @@ class MapSoftmaxLoss(base_layer.BaseLayer):
             meta.flops, NestedMap(loss=scalar, accuracy=scalar), meta.num_params)
 
 
-class TinyMlpTask(base_task.BaseTask):
+class TinyMlpTask(pipelined_task.PipelinedTask):
     """Classifier whose whole network is one PipeliningLayer (`network`)."""
 
-    @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:
-        p = super().Params()
-        p.Define("network", pipelining_layer.PipeliningLayer.Params(), "The pipelined MLP.")
-        return p
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        self.CreateChild("network", self.params.network)
-
-    @staticmethod
-    def _stage_inputs(batch: NestedMap) -> NestedMap:
-        return NestedMap(x=batch.x, labels=batch.labels)
-
-    def FProp(self, theta: NestedMap, input_batch: NestedMap) -> NestedMap:
-        out = self.network.FProp(theta.network, self._stage_inputs(input_batch))
-        return NestedMap(loss=out.loss, accuracy=out.accuracy)
-
-    def ComputeLossAndGrads(
-        self, theta: NestedMap, input_batch: NestedMap
-    ) -> tuple[NestedMap, NestedMap]:
-        out, grads = self.network.FPropAndGrads(theta.network, self._stage_inputs(input_batch))
-        return NestedMap(loss=out.loss, accuracy=out.accuracy), NestedMap(network=grads)
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
+        return NestedMap(x=input_batch.x, labels=input_batch.labels)
 
 
 def _projection(name: str, input_dim: int, output_dim: int) -> hyperparams.Params:

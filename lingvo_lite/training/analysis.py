@@ -95,7 +95,25 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines.append(pipelining_layer.PipeliningLayer.ComputePartition(q).report())
         except ValueError as e:
             lines.append(f"K={k}: cannot partition: {e}")
+    if p.num_replicas > 1:
+        lines += ["", _describe_mesh(p)]
     return "\n".join(lines), total_params
+
+
+def _describe_mesh(p: hyperparams.Params) -> str:
+    """Which device holds which replica's cell, for a local placement (see resolve_mesh)."""
+    num_cells, num_replicas = p.num_cells, p.num_replicas
+    lines = [f"Mesh: {num_replicas} data-parallel replicas x {num_cells} cells = "
+             f"{num_replicas * num_cells} devices (placement={p.placement!r}); cell k's "
+             "gradients are all-reduced over the replicas on the cells' devices."]
+    explicit = None if isinstance(p.placement, str) else list(p.placement)
+    for r in range(num_replicas):
+        cells = ", ".join(
+            f"cell {k} -> " + (explicit[r * num_cells + k] if explicit
+                               else f"device {r * num_cells + k}")
+            for k in range(num_cells))
+        lines.append(f"  replica {r}: {cells}")
+    return "\n".join(lines)
 
 
 def describe_model(name: str, task_params: hyperparams.Params,

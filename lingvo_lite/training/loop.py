@@ -245,6 +245,7 @@ class Trainer:
             logdir, variables, iterator,
             max_to_keep=task.params.train.max_checkpoints_to_keep, warn=warn)
         restored = ckpt.restore_latest()
+        task.sync_replicas()  # Data-parallel replicas start from the restored weights.
         try:
             first_batch = next(iterator)
         except StopIteration:

@@ -4,7 +4,8 @@ Order of application (later wins):
   1. `model_params.Model()`: the task params with the train input under `input`;
   2. `--model_params_override` (FromText on the task params, so `input.*` keys work too);
   3. `--input_params_override` (FromText on the train input params);
-  4. the dedicated flags: `--max_steps`, `--num_cells`, `--num_micro_batches`, `--seed`.
+  4. the dedicated flags: `--max_steps`, `--num_cells`, `--num_replicas`, `--num_micro_batches`,
+     `--seed`.
 
 Nothing here creates a TensorFlow op: it runs before the logical devices are configured.
 """
@@ -148,15 +149,17 @@ def iter_pipelining_params(p: Any, path: str = "") -> Iterator[tuple[str, hyperp
 
 
 def auto_num_logical_cpus(task_params: hyperparams.Params) -> int:
-    """The largest `num_cells` of any PipeliningLayer in the params, at least 1."""
-    cells = [pp.num_cells for _, pp in iter_pipelining_params(task_params)
-             if isinstance(pp.num_cells, int)]
-    return max([1, *cells])
+    """The most devices any PipeliningLayer needs (num_replicas x num_cells), at least 1."""
+    sizes = [pp.num_cells * pp.num_replicas for _, pp in iter_pipelining_params(task_params)
+             if isinstance(pp.num_cells, int) and isinstance(pp.num_replicas, int)]
+    return max([1, *sizes])
 
 
 def set_pipeline_fields(p: hyperparams.Params, num_cells: int | None = None,
-                        num_micro_batches: int | None = None) -> int:
-    """Sets num_cells / num_micro_batches (when not None) in every PipeliningLayer params.
+                        num_micro_batches: int | None = None,
+                        num_replicas: int | None = None) -> int:
+    """Sets num_cells / num_micro_batches / num_replicas (when not None) in every
+    PipeliningLayer params.
 
     Returns the number of PipeliningLayer params found. A num_cells larger than a pipeline's
     number of layers raises UsageError naming the `--num_cells` flag.
@@ -172,15 +175,21 @@ def set_pipeline_fields(p: hyperparams.Params, num_cells: int | None = None,
         if num_micro_batches is not None:
             pp.num_micro_batches = num_micro_batches
             pp.micro_batch_size = None  # The flag must win over a micro_batch_size setting.
+        if num_replicas is not None:
+            pp.num_replicas = num_replicas
     return len(pipelines)
 
 
 def _apply_flags(p: hyperparams.InstantiableParams, options: RunOptions) -> None:
     if options.max_steps is not None:
         p.train.max_steps = options.max_steps
-    if options.num_cells is not None or options.num_micro_batches is not None:
-        if not set_pipeline_fields(p, options.num_cells, options.num_micro_batches):
-            flag = "num_cells" if options.num_cells is not None else "num_micro_batches"
+    flags = {"num_cells": options.num_cells, "num_micro_batches": options.num_micro_batches,
+             "num_replicas": options.num_replicas}
+    given = [name for name, value in flags.items() if value is not None]
+    if given:
+        if not set_pipeline_fields(p, options.num_cells, options.num_micro_batches,
+                                   options.num_replicas):
+            flag = given[0]
             raise UsageError(
                 f"--{flag}: model {options.model} has no PipeliningLayer params to apply it to; "
                 f"drop --{flag}.")

@@ -48,7 +48,8 @@ class RunOptions:
       num_logical_cpus: logical CPU devices to create; None = the largest `num_cells` of any
         PipeliningLayer in the task params (at least 1).
       intra_op_threads, inter_op_threads: TF thread-pool sizes; None keeps TF's defaults.
-      num_cells, num_micro_batches: override these fields in every PipeliningLayer's params.
+      num_cells, num_micro_batches, num_replicas: override these fields in every
+        PipeliningLayer's params (num_replicas: data-parallel replicas, R x K devices).
       seed: sets the task's `random_seed` (weights, dropout) and the train input's `seed`.
       inspect_num_cells: extra K values whose partition `inspect_model` reports.
       model_modules: modules imported first so that the models they register are known.
@@ -70,6 +71,7 @@ class RunOptions:
     inter_op_threads: int | None = None
     num_cells: int | None = None
     num_micro_batches: int | None = None
+    num_replicas: int | None = None
     seed: int | None = None
     inspect_num_cells: Sequence[int] = ()
     model_modules: Sequence[str] = ()
@@ -87,7 +89,7 @@ class RunOptions:
         if self.mode in LOGDIR_MODES:
             self._validate_logdir()
         for name in ("num_logical_cpus", "intra_op_threads", "inter_op_threads", "num_cells",
-                     "num_micro_batches"):
+                     "num_micro_batches", "num_replicas"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("max_steps", self.max_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
