@@ -30,13 +30,33 @@ def _require(devices: list[str], num_cells: int, kind: str, fix: str,
     return devices[:num_cells]
 
 
-def cluster_devices(num_cells: int, job: str = "worker", device_type: str = "CPU",
-                    device_index: int = 0) -> list[str]:
-    """One device per task of a TF cluster job: cell k on task k."""
-    return [
-        f"/job:{job}/replica:0/task:{k}/device:{device_type}:{device_index}"
-        for k in range(num_cells)
-    ]
+def cluster_devices(num_devices: int, job: str = "worker") -> list[str]:
+    """The first `num_devices` devices of a connected TF cluster job, task by task.
+
+    Each task's accelerators when it has any, else its (logical) CPUs, in (task, index) order;
+    so with D devices per task, device i is device i % D of task i // D.
+    """
+    found: dict[str, list[tf.DeviceSpec]] = {"GPU": [], "TPU": [], "CPU": []}
+    for d in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(d.name)
+        if spec.job == job and spec.device_type in found:
+            found[spec.device_type].append(spec)
+    tasks = sorted({s.task for specs in found.values() for s in specs})
+    devices = []
+    for task in tasks:
+        for device_type in ("GPU", "TPU", "CPU"):
+            mine = sorted((s for s in found[device_type] if s.task == task),
+                          key=lambda s: s.device_index)
+            if mine:
+                devices += [s.to_string() for s in mine]
+                break
+    if len(devices) < num_devices:
+        raise ValueError(
+            f"placement='cluster:{job}' needs {num_devices} devices but the connected cluster "
+            f"offers {len(devices)} in job '{job}'. Connect first (trainer.py does it from "
+            "TF_CONFIG; tf.config.experimental_connect_to_cluster otherwise) and give the tasks "
+            "enough devices.")
+    return devices[:num_devices]
 
 
 def resolve_mesh(placement: str | Sequence[str], num_replicas: int,

@@ -157,8 +157,8 @@ def auto_num_logical_cpus(task_params: hyperparams.Params) -> int:
 
 def set_pipeline_fields(p: hyperparams.Params, num_cells: int | None = None,
                         num_micro_batches: int | None = None,
-                        num_replicas: int | None = None) -> int:
-    """Sets num_cells / num_micro_batches / num_replicas (when not None) in every
+                        num_replicas: int | None = None, placement: str | None = None) -> int:
+    """Sets num_cells / num_micro_batches / num_replicas / placement (when not None) in every
     PipeliningLayer params.
 
     Returns the number of PipeliningLayer params found. A num_cells larger than a pipeline's
@@ -177,6 +177,8 @@ def set_pipeline_fields(p: hyperparams.Params, num_cells: int | None = None,
             pp.micro_batch_size = None  # The flag must win over a micro_batch_size setting.
         if num_replicas is not None:
             pp.num_replicas = num_replicas
+        if placement is not None:
+            pp.placement = placement
     return len(pipelines)
 
 

@@ -12,6 +12,7 @@ Each invocation has two phases:
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import TextIO
 
@@ -81,12 +82,27 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     if options.mode in ("eval", "train_and_eval", "decode"):
         eval_splits = {s: config.eval_input_params(s) for s in options.eval_splits}
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
+    cluster = None
+    if options.mode in TRAIN_MODES:
+        from lingvo_lite.training import cluster as cluster_lib
+
+        cluster = cluster_lib.from_environment()
+    if cluster is not None:
+        # The mesh's R x K devices are spread evenly over the tasks; each serves its share.
+        num_cpus = cluster.devices_per_task(
+            model_config.auto_num_logical_cpus(config.task_params))
+        model_config.set_pipeline_fields(config.task_params, placement="cluster")
 
     from lingvo_lite import devices  # TensorFlow is imported (no op has run yet).
 
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
 
     import tensorflow as tf
+
+    if cluster is not None:
+        cluster_lib.start_server(cluster, num_cpus)
+        if not cluster.is_chief:
+            return _serve(cluster, options, config, num_cpus, out)
 
     if options.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -104,8 +120,95 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
         from lingvo_lite.training import decoding
 
         return decoding.prepare_decode(config, logdir, eval_splits, out, err)
+    if cluster is not None:
+        return _locked(logdir, err, lambda: _prepare_chief(cluster, options, config, logdir,
+                                                           eval_splits, out, err))
     return _locked(logdir, err, lambda: _prepare_train(options, config, logdir, eval_splits,
                                                        out, err))
+
+
+def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_cpus: int,
+           out: TextIO) -> Job:
+    """A non-chief task: serve this task's devices until the chief is gone."""
+    from lingvo_lite.training import cluster as cluster_lib
+
+    chief = cluster.addresses[0]
+    me = cluster.addresses[cluster.task_index]
+    max_steps = config.task_params.train.max_steps
+
+    def chief_gone(task: int, address: str) -> None:
+        if _finished(options.abs_logdir, max_steps):
+            cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
+                                 status=0)
+        cluster_lib.exit_now(
+            f"trainer.py: error: task {cluster.task_index} lost the chief (task 0 at {address}): "
+            f"it stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before training ended. "
+            "Rerun every process with the same command to resume from the last checkpoint.")
+
+    def job() -> int:
+        print(f"Task {cluster.task_index} of {cluster.num_tasks} serving {num_cpus} device(s) at "
+              f"{me} for the chief (task 0 at {chief}).", file=out, flush=True)
+        cluster_lib.Watchdog(cluster, [0], chief_gone,
+                             start_timeout_s=cluster_lib.CHIEF_START_TIMEOUT_S).start()
+        while True:  # The watchdog ends the process if the chief is lost mid-run.
+            time.sleep(1.0)
+            if not cluster_lib.reachable(chief) and _finished(options.abs_logdir, max_steps):
+                cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
+                                     status=0)
+
+    return job
+
+
+def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfig, logdir: str,
+                   eval_splits: dict, out: TextIO, err: TextIO) -> Job:
+    """The chief (task 0): wait for the other tasks, then train as the cluster's one client."""
+    from lingvo_lite.training import checkpointer
+    from lingvo_lite.training import cluster as cluster_lib
+
+    others = list(range(1, cluster.num_tasks))
+    deadline = time.monotonic() + cluster_lib.CHIEF_START_TIMEOUT_S
+    print(f"Chief of {cluster.num_tasks} tasks: waiting for tasks {others} to serve.", file=out,
+          flush=True)
+    for t in others:
+        while not cluster_lib.reachable(cluster.addresses[t]):
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"TF_CONFIG task {t} ({cluster.addresses[t]}) did not start serving within "
+                    f"{cluster_lib.CHIEF_START_TIMEOUT_S:.0f} s; start trainer.py on every task "
+                    "with its own TF_CONFIG.")
+            time.sleep(0.5)
+
+    def task_lost(task: int, address: str) -> None:
+        latest = checkpointer.latest_checkpoint(logdir)
+        kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
+        cluster_lib.exit_now(
+            f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
+            f"answering for {cluster_lib.LOST_AFTER_S:.0f} s; {kept}. Rerun every process with "
+            "the same command to resume.")
+
+    watchdog = cluster_lib.Watchdog(cluster, others, task_lost).start()
+    job = _prepare_train(options, config, logdir, eval_splits, out, err)
+
+    def chief_job() -> int:
+        try:
+            status = job()
+        finally:
+            watchdog.stop()
+        # TensorFlow's gRPC server cannot be stopped and keeps the interpreter from exiting.
+        out.flush()
+        err.flush()
+        cluster_lib.exit_now(f"Chief: done (exit status {status}).", status=status)
+        return status
+
+    return chief_job
+
+
+def _finished(logdir: str, max_steps: int) -> bool:
+    """Whether the chief's checkpoints (in a logdir this task can read) reached max_steps."""
+    from lingvo_lite.training import checkpointer
+
+    latest = checkpointer.latest_checkpoint(logdir) if logdir else None
+    return latest is not None and checkpointer.checkpoint_step(latest) >= max_steps
 
 
 def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
