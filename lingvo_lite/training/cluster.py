@@ -180,7 +180,7 @@ class Watchdog:
             for t in self._tasks:
                 address = self._config.addresses[t]
                 if reachable(address):
-                    last_seen[t] = max(last_seen[t], time.monotonic())
+                    last_seen[t] = time.monotonic()  # Seen once: the start-up grace is over.
                 elif time.monotonic() - last_seen[t] > self._lost_after_s:
                     if not self._stop.is_set():
                         self._on_lost(t, address)

@@ -11,6 +11,7 @@ Each invocation has two phases:
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -183,15 +184,23 @@ def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfi
         kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
         cluster_lib.exit_now(
             f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
-            f"answering for {cluster_lib.LOST_AFTER_S:.0f} s; {kept}. Rerun every process with "
-            "the same command to resume.")
+            f"answering; {kept}. Rerun every process with the same command to resume.")
 
     watchdog = cluster_lib.Watchdog(cluster, others, task_lost).start()
     job = _prepare_train(options, config, logdir, eval_splits, out, err)
 
     def chief_job() -> int:
+        import tensorflow as tf
+
         try:
             status = job()
+        except (tf.errors.UnavailableError, tf.errors.AbortedError,
+                tf.errors.DeadlineExceededError) as e:
+            # A step that reached a dead task fails at once; name the task like the watchdog.
+            match = re.search(r"/job:\w+/replica:\d+/task:(\d+)", str(e))
+            task = int(match.group(1)) if match else None
+            task_lost(task if task is not None else -1,
+                      cluster.addresses[task] if task is not None else "unknown address")
         finally:
             watchdog.stop()
         # TensorFlow's gRPC server cannot be stopped and keeps the interpreter from exiting.

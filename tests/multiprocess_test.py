@@ -1,0 +1,131 @@
+"""trainer.py over two processes on 127.0.0.1, each launched with its own TF_CONFIG.
+
+(a) data parallel across processes: R=2 replicas of a K=2 pipeline, one replica per process;
+(b) one pipeline across processes: R=1, K=2, one cell per process.
+After the run the chief's checkpoint must equal a single-process run on the same global batch
+(the same micro-batches: R x T of them). Then faults: killing one process mid-run makes the
+other exit non-zero with a line naming what was lost, within the bound; re-running both resumes
+from the last checkpoint and finishes. Only the processes started here are stopped, by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import tensorflow as tf
+from cluster_test import _free_ports
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "tests.testdata_models.TinyMlp"
+BOUND_S = 60.0  # The issue's bound for noticing a lost process.
+
+
+def _tf_config(addresses: list[str], index: int) -> str:
+    return json.dumps({"cluster": {"worker": addresses},
+                       "task": {"type": "worker", "index": index}})
+
+
+def _launch(logdir: str, flags: list[str], tf_config: str | None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    if tf_config:
+        env["TF_CONFIG"] = tf_config
+    return subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "trainer.py"), f"--model={MODEL}",
+         f"--logdir={logdir}", *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _weights(logdir: str) -> dict:
+    path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
+    return {k: tf.train.load_variable(path, k) for k, _ in tf.train.list_variables(path)
+            if k.startswith("model/")}
+
+
+@pytest.mark.slow
+class MultiProcessTrainerTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
+
+    def _run_cluster(self, logdir: str, flags: list[str]) -> list[tuple[int, str]]:
+        addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+        procs = [_launch(logdir, flags, _tf_config(addresses, i)) for i in (1, 0)]
+        try:
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            _stop(procs)
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+    def _assert_same_weights(self, want_dir: str, got_dir: str) -> None:
+        want, got = _weights(want_dir), _weights(got_dir)
+        self.assertCountEqual(want, got)
+        for key in want:
+            self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    def test_two_processes_equal_a_single_process_run(self):
+        layouts = {
+            "replica_per_process": ["--num_replicas=2", "--num_cells=2"],
+            "cell_per_process": ["--num_replicas=1", "--num_cells=2"],
+        }
+        singles = {"replica_per_process": ["--num_cells=1", "--num_micro_batches=4"],
+                   "cell_per_process": ["--num_cells=1", "--num_micro_batches=2"]}
+        for name, flags in layouts.items():
+            logdir = os.path.join(self.root, name)
+            results = self._run_cluster(logdir, flags + ["--max_steps=6"])
+            for status, out in results:
+                self.assertEqual(0, status, msg=out[-3000:])
+            self.assertIn("the chief finished", results[0][1])
+            single_dir = os.path.join(self.root, name + "_single")
+            single = _launch(single_dir, singles[name] + ["--max_steps=6"], None)
+            out = single.communicate(timeout=240)[0]
+            self.assertEqual(0, single.returncode, msg=out[-3000:])
+            self._assert_same_weights(single_dir, logdir)
+        # Only the chief writes: the worker task left no files of its own.
+        self.assertFalse([f for f in os.listdir(logdir) if f.startswith("task_")])
+
+    def test_lost_process_stops_the_other_and_a_rerun_resumes(self):
+        flags = ["--num_replicas=2", "--num_cells=2", "--max_steps=100000",
+                 "--model_params_override=train.save_interval_steps : 20"]
+        for victim, survivor, message in ((1, 0, "lost task 1"), (0, 1, "lost the chief")):
+            logdir = os.path.join(self.root, f"kill_{victim}")
+            addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
+            procs = {i: _launch(logdir, flags, _tf_config(addresses, i)) for i in (1, 0)}
+            try:
+                ckpt_dir = os.path.join(logdir, "checkpoints")
+                deadline = time.monotonic() + 180
+                while not tf.train.latest_checkpoint(ckpt_dir):
+                    self.assertLess(time.monotonic(), deadline, "no checkpoint was written")
+                    time.sleep(0.5)
+                procs[victim].kill()
+                killed_at = time.monotonic()
+                out = procs[survivor].communicate(timeout=BOUND_S + 30)[0]
+                self.assertLess(time.monotonic() - killed_at, BOUND_S)
+                self.assertEqual(1, procs[survivor].returncode, msg=out[-3000:])
+                lines = [line for line in out.splitlines() if message in line]
+                self.assertLen(lines, 1, msg=out[-3000:])
+                self.assertIn("Rerun every process", lines[0])
+                self.assertNotIn("Traceback", out)
+            finally:
+                _stop(list(procs.values()))
+            step = int(tf.train.latest_checkpoint(ckpt_dir).rsplit("-", 1)[1])
+            rerun = self._run_cluster(logdir, flags[:2] + [f"--max_steps={step + 4}"])
+            for status, out in rerun:
+                self.assertEqual(0, status, msg=out[-3000:])
+            self.assertIn(f"Resuming training from step {step}", rerun[1][1])
