@@ -98,11 +98,15 @@ def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
     outer = fprop_context.current().updates
     traced: dict[str, Any] = {}
 
+    flat_in = _flat(x)
+
     def body(*flat_x: Any) -> list[Any]:
         inner = fprop_context.UpdateCollector() if outer is not None else None
+        leaves = [tf.cast(v, tf.int32) if _is_host_int(orig) else v
+                  for v, orig in zip(flat_x, flat_in)]
         with tf.name_scope(scope + "/" if scope else ""), \
                 fprop_context.fprop_context(updates=inner):
-            y = fn(_pack(x, list(flat_x)))
+            y = fn(_pack(x, leaves))
         reports = [(layer, s) for layer, per_call in (inner.items() if inner else [])
                    for s in per_call]
         traced.update(y=y, reports=reports)
@@ -111,13 +115,32 @@ def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
 
     call = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
     with serial_function_calls():
-        flat_out = list(call(*_flat(x)))
+        flat_out = list(call(*[_to_call_device(v) for v in flat_in]))
     num_y = len(tf.nest.flatten(traced["y"], expand_composites=True))
     y = tf.nest.pack_sequence_as(traced["y"], flat_out[:num_y], expand_composites=True)
     rest = iter(flat_out[num_y:])
     for layer, s in traced["reports"]:
         outer.add(layer, tf.nest.pack_sequence_as(s, [next(rest) for _ in tf.nest.flatten(s)]))
     return y
+
+
+def _is_host_int(v: Any) -> bool:
+    return v is not None and v.dtype == tf.int32
+
+
+def _to_call_device(v: Any) -> Any:
+    """`v` on the current device, and as int64 if it is int32.
+
+    The arguments of a serial function call must already live on its device:
+    an argument from another device, or an int32 one (TensorFlow pins int32
+    function arguments to the host CPU, CPU:0), turns the call into a multi-device
+    function whose single-threaded part blocks an inter-op thread until the copy
+    arrives. Run eagerly, K cells with fewer inter-op threads than such pending
+    copies deadlocked (issue 12).
+    """
+    if v is None:
+        return None
+    return tf.cast(v, tf.int64) if _is_host_int(v) else tf.identity(v)
 
 
 def _flat(x: Any) -> list[Any]:
@@ -444,7 +467,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                 for y_leaf, g_leaf in zip(_flat(y), _flat(upstream)):
                     if _is_float(y_leaf):
                         y_leaves.append(y_leaf)
-                        g_leaves.append(tf.zeros_like(y_leaf) if g_leaf is None else g_leaf)
+                        g = tf.zeros_like(y_leaf) if g_leaf is None else g_leaf
+                        # A serial backward call's arguments must be local (_to_call_device).
+                        g_leaves.append(tf.identity(g) if self.params.serial_devices else g)
                 x_sources = [v for v in _flat(x) if _is_float(v)] if k > 0 else []
                 with serial_function_calls(self.params.serial_devices):
                     all_grads = tape.gradient(
