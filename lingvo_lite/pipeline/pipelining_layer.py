@@ -188,7 +188,10 @@ class PipeliningLayer(base_layer.BaseLayer):
         p.Define("num_micro_batches", 1, "T: micro-batches per mini-batch.")
         p.Define("micro_batch_size", None,
                  "Alternative to num_micro_batches: examples per micro-batch.")
-        p.Define("batch_dim", 0, "The batch dimension of every input tensor.")
+        p.Define("batch_dim", 0,
+                 "The batch dimension of every input tensor. The layers see it as "
+                 "fprop_context.current().batch_dim: dropout and drop-path draw each "
+                 "example's mask from its position along it, whatever T is.")
         p.Define(
             "remat", "except_last",
             "Re-materialisation: 'always' recompute every cell's forward in its backward "
@@ -353,7 +356,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 continue
             k, t = action.cell, action.micro_batch
             with tf.device(self._devices[k]), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
-                    fprop_context.fprop_context(example_offset=t * micro_size):
+                    fprop_context.fprop_context(example_offset=t * micro_size,
+                                                batch_dim=self.params.batch_dim):
                 y = self._cell_fprop(theta, k, boundary.pop((k, t)))
             if k == self.num_cells - 1:
                 outputs[t] = y
@@ -427,7 +431,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 x = boundary[(k, t)]
                 with tf.device(device), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
                         tf.control_dependencies(last_ops[k]), \
-                        fprop_context.fprop_context(example_offset=offset):
+                        fprop_context.fprop_context(example_offset=offset,
+                                                    batch_dim=self.params.batch_dim):
                     if self._keeps_activations(sched, k, t):
                         tape = tf.GradientTape(watch_accessed_variables=False)
                         with tape:
@@ -521,7 +526,8 @@ class PipeliningLayer(base_layer.BaseLayer):
         wait_for = [g for g in _flat(upstream) if g is not None]
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tf.control_dependencies(wait_for), tf.name_scope("recompute"), \
-                fprop_context.fprop_context(example_offset=offset, updates=None):
+                fprop_context.fprop_context(example_offset=offset, updates=None,
+                                            batch_dim=self.params.batch_dim):
             x = _pack(x, [tf.identity(v) if v is not None else None for v in _flat(x)])
             with tape:
                 tape.watch([v for v in _flat(x) if _is_float(v)] + sources)
