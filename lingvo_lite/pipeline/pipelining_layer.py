@@ -185,9 +185,12 @@ class PipeliningLayer(base_layer.BaseLayer):
             "used by FPropMeta to estimate layer costs. Required unless partitioning "
             "is 'uniform' or 'explicit'.",
         )
-        p.Define("num_micro_batches", 1, "T: micro-batches per mini-batch.")
+        p.Define("num_micro_batches", None,
+                 "T: micro-batches per mini-batch (>= 1). None: unset, i.e. 1 unless "
+                 "micro_batch_size is set.")
         p.Define("micro_batch_size", None,
-                 "Alternative to num_micro_batches: examples per micro-batch.")
+                 "Alternative to num_micro_batches: examples per micro-batch. Setting both "
+                 "is an error unless they agree with the mini-batch size.")
         p.Define("batch_dim", 0,
                  "The batch dimension of every input tensor. The layers see it as "
                  "fprop_context.current().batch_dim: dropout and drop-path draw each "
@@ -224,6 +227,10 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: p.layers is empty; give the layer params to pipeline.")
         if p.remat not in REMAT_MODES:
             raise ValueError(f"{self.path}: remat={p.remat!r}; use one of {REMAT_MODES}.")
+        try:
+            micro_batch.check_micro_batch_params(p.num_micro_batches, p.micro_batch_size)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
         if p.remat != "never":
             keep_recomputation_in_graphs()
         self._partition = self.ComputePartition(p)
