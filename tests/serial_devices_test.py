@@ -21,7 +21,7 @@ import pipeline_test as pt
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import base_layer
+from lingvo_lite import base_layer, fprop_context
 from lingvo_lite.layers import composite, structural
 
 SLEEP_S = 0.05
@@ -137,8 +137,11 @@ class SerialExecutionTest(tf.test.TestCase):
         pipe = pt.make_pipeline(layers, num_cells=2, num_micro_batches=2, remat="never",
                                 split_points=[1], partition_method="explicit",
                                 serial_devices=serial)
-        step = tf.function(lambda b: pipe.FPropAndGrads(pipe.theta, b)[0].loss,
-                           autograph=False)
+        def train(b):
+            with fprop_context.fprop_context(training=True):
+                return pipe.FPropAndGrads(pipe.theta, b)[0].loss
+
+        step = tf.function(train, autograph=False)
         step(pt.make_batch())  # Trace and warm up.
         RECORDER.intervals.clear()
         step(pt.make_batch())
