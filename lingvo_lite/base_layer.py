@@ -58,8 +58,17 @@ def activation_bytes(shapes: Any, dtype: tf.DType = tf.float32) -> int:
     return total * tf.as_dtype(dtype).size
 
 
+EXTRA_PARAM_COUNTS = ("non_trainable_params", "training_only_params")
+
+
+def extra_param_counts(metas: Any) -> dict[str, int]:
+    """Sums of the children's `non_trainable_params` and `training_only_params`."""
+    return {key: sum(int(m.get(key, 0)) for m in metas) for key in EXTRA_PARAM_COUNTS}
+
+
 def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
-               dtype: tf.DType = tf.float32) -> NestedMap:
+               dtype: tf.DType = tf.float32, non_trainable_params: int = 0,
+               training_only_params: int = 0) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -68,6 +77,11 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         returns several values; NestedMaps of shapes are allowed.
       num_params: number of weight elements the layer (with children) owns.
       dtype: activation dtype, for `out_bytes`.
+      non_trainable_params: how many of `num_params` are not trained (e.g. batch
+        norm's moving statistics); composite layers pass their children's sum
+        (`extra_param_counts`).
+      training_only_params: how many of the trainable ones only serve training (e.g.
+        an auxiliary head's), which papers leave out of a model's size.
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -75,6 +89,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         flops=float(flops),
         out_shapes=out_shapes,
         num_params=int(num_params),
+        non_trainable_params=int(non_trainable_params),
+        training_only_params=int(training_only_params),
         out_bytes=activation_bytes(out_shapes, dtype),
     )
 

@@ -6,6 +6,11 @@
   step's seed and the example's position in the *whole* mini-batch, so a
   pipeline that splits the batch into micro-batches (and recomputes forwards)
   draws exactly the masks the unsplit model draws.
+- `batch_dim`: the axis of the examples in the tensors layers see (0 for
+  [batch, ...], 1 for time-major [time, batch, ...]); random layers index their
+  draws by (example, position in the example) along it. A PipeliningLayer sets
+  it to its own `batch_dim`; a layer that changes the layout of its children's
+  inputs should open a context with theirs.
 - `updates`: an `UpdateCollector` that layers with non-gradient state (batch
   norm's moving statistics) report to; the caller applies the pooled updates
   once per mini-batch. `None` during recomputation, so nothing is counted twice.
@@ -56,6 +61,7 @@ class FPropContext:
     training: bool = False
     step_seed: Any = 0
     example_offset: Any = 0
+    batch_dim: int = 0
     updates: UpdateCollector | None = None
 
 

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite import fprop_context, pipelined_task
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.training import analysis
 from tasks.image import amoebanet as an
 
 EPS = 1e-3  # The default batch_norm_epsilon.
@@ -411,6 +412,35 @@ class AmoebaNetLayersTest(tf.test.TestCase):
         self.assertNotAllClose(a, c)
 
     # ---- the network -----------------------------------------------------------------------------
+
+    def test_inspect_model_counts_trainable_and_non_trainable_separately(self):
+        # Issue 12: the printed total mixed in batch-norm moving statistics and the aux head.
+        p = _tiny_net(variant="D")
+        lps = an.amoebanet_layers(p)
+        trainable = non_trainable = aux = 0
+        for lp in lps:
+            layer = lp.Instantiate()
+            for v in layer.vars.Flatten():
+                n = int(np.prod(v.shape))
+                if v.trainable:
+                    trainable += n
+                    aux += n if isinstance(layer, an.AuxHeadLayer) else 0
+                else:
+                    non_trainable += n
+        self.assertGreater(non_trainable, 0)
+        self.assertGreater(aux, 0)
+        task = pipelined_task.PipelinedTask.Params().Set(
+            network=pipelining_layer.PipeliningLayer.Params().Set(
+                name="net", layers=lps, num_cells=2, input_shapes=an.input_shapes(p, 3)))
+        text = analysis.describe_model("tiny", task)
+        fmt = analysis.format_count
+        self.assertIn(f"Total parameters in PipeliningLayers: {fmt(trainable + non_trainable)}",
+                      text)
+        self.assertIn(f"  trainable: {fmt(trainable)}\n", text)
+        self.assertIn(f"  non-trainable (e.g. batch-norm moving statistics): "
+                      f"{fmt(non_trainable)}\n", text)
+        self.assertIn(f"used only in training (auxiliary heads): {fmt(aux)}; trainable without "
+                      f"them: {fmt(trainable - aux)}", text)
 
     def test_tiny_networks_forward(self):
         configs = [

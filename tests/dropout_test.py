@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context, weight_params
-from lingvo_lite.layers import dropout
+from lingvo_lite import base_layer, fprop_context, weight_params
+from lingvo_lite.layers import composite, dense, dropout, structural
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import pipelining_layer
 
 
 def _layer(keep_prob=0.6, name="drop", seed=7, dims=None):
@@ -172,6 +174,94 @@ class DropPathTest(tf.test.TestCase):
         # The same decisions as the general op with the mask shared over dim 1.
         ref = dropout.dropout(tf.constant(x), 0.5, (1, 2), 4, 8, [1]).numpy()
         np.testing.assert_array_equal(y, ref)
+
+
+class _MeanSquareLoss(base_layer.BaseLayer):
+    """NestedMap(loss=mean(x^2)): the mean over its (micro-)batch, for any layout."""
+
+    def FProp(self, theta, inputs):  # noqa: N802
+        del theta
+        return NestedMap(loss=tf.reduce_mean(tf.square(inputs.x)))
+
+
+def _field(name, sub):
+    return structural.FieldLayer.Params().Set(name=name, field="x", sub=sub)
+
+
+def _batch_dim_pipeline(layers, batch_dim, num_micro_batches):
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name="pipe", layers=layers, num_cells=2, partition_method="uniform",
+        num_micro_batches=num_micro_batches, batch_dim=batch_dim, random_seed=5,
+        remat="always").Instantiate()
+
+
+class DropoutBatchDimTest(tf.test.TestCase):
+    """Issue 12: with batch_dim=1 (time-major [time, batch, dim]) masks depended on T."""
+
+    BATCH, TIME, DIM = 16, 5, 6
+    NUM_MICRO = (1, 2, 4, 8, 16)
+
+    def _x(self, batch_dim):
+        x = _inputs([self.BATCH, self.TIME, self.DIM])  # Batch-major.
+        return x if batch_dim == 0 else x.transpose(1, 0, 2)
+
+    def test_masks_depend_only_on_the_example_for_any_batch_dim(self):
+        drop = _field("d0", dropout.DropoutLayer.Params().Set(name="drop", keep_prob=0.5))
+        ident = structural.IdentityLayer.Params().Set(name="id")
+        masks = {}
+        for batch_dim in (0, 1):
+            x = self._x(batch_dim)
+            for t in self.NUM_MICRO:
+                pipe = _batch_dim_pipeline([drop, ident], batch_dim, t)
+                with fprop_context.fprop_context(training=True, step_seed=9):
+                    y = pipe.FProp(pipe.theta, NestedMap(x=tf.constant(x))).x.numpy()
+                masks[(batch_dim, t)] = y != 0
+            # The unpipelined layers on the whole batch, told where the batch axis is.
+            with fprop_context.fprop_context(training=True, step_seed=9, batch_dim=batch_dim):
+                ref = composite.chain_fprop(pipe.layers, pipe.theta.layers,
+                                            NestedMap(x=tf.constant(x))).x.numpy()
+            self.assertTrue(0.3 < np.mean(ref == 0) < 0.7)
+            for t in self.NUM_MICRO:
+                np.testing.assert_array_equal(ref != 0, masks[(batch_dim, t)],
+                                              err_msg=f"batch_dim={batch_dim}, T={t}")
+        # The same example gets the same mask whether the batch axis is 0 or 1.
+        np.testing.assert_array_equal(masks[(0, 1)], masks[(1, 1)].transpose(1, 0, 2))
+        # Each example's mask is that of the example alone at its position.
+        for i in (0, 7, 15):
+            layer = dropout.DropoutLayer.Params().Set(
+                name="drop", keep_prob=0.5, random_seed=5).Instantiate()
+            full = _run(layer, self._x(0))
+            np.testing.assert_array_equal(full[i:i + 1],
+                                          _run(layer, self._x(0)[i:i + 1], example_offset=i))
+            with fprop_context.fprop_context(training=True, step_seed=11, batch_dim=1,
+                                             example_offset=i):
+                alone = layer.FPropDefaultTheta(tf.constant(self._x(1)[:, i:i + 1])).numpy()
+            np.testing.assert_array_equal(full[i:i + 1], alone.transpose(1, 0, 2))
+
+    def test_pipelined_gradients_equal_a_plain_tape_for_any_batch_dim(self):
+        def proj(name):
+            return _field(name, dense.ProjectionLayer.Params().Set(
+                name="proj", input_dim=self.DIM, output_dim=self.DIM, activation="TANH"))
+
+        layers = [proj("p0"), _field("d0", dropout.DropoutLayer.Params().Set(
+            name="drop", keep_prob=0.5)), proj("p1"), _MeanSquareLoss.Params().Set(name="loss")]
+        for batch_dim in (0, 1):
+            batch = NestedMap(x=tf.constant(self._x(batch_dim)))
+            for t in self.NUM_MICRO:
+                pipe = _batch_dim_pipeline(layers, batch_dim, t)
+                with fprop_context.fprop_context(training=True, step_seed=3,
+                                                 batch_dim=batch_dim):
+                    with tf.GradientTape() as tape:
+                        want = composite.chain_fprop(pipe.layers, pipe.theta.layers, batch)
+                    want_grads = tape.gradient(want.loss, pipe.theta.Flatten())
+                with fprop_context.fprop_context(training=True, step_seed=3):
+                    out, grads = pipe.FPropAndGrads(pipe.theta, batch)
+                msg = f"batch_dim={batch_dim}, T={t}"
+                np.testing.assert_allclose(want.loss.numpy(), out.loss.numpy(), rtol=2e-6,
+                                           err_msg=msg)
+                for w, g in zip(want_grads, grads.Flatten()):
+                    np.testing.assert_allclose(w.numpy(), g.numpy(), rtol=2e-5, atol=2e-7,
+                                               err_msg=msg)
 
 
 if __name__ == "__main__":

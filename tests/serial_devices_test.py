@@ -10,6 +10,10 @@ still do.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +21,7 @@ import pipeline_test as pt
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import base_layer
+from lingvo_lite import base_layer, fprop_context
 from lingvo_lite.layers import composite, structural
 
 SLEEP_S = 0.05
@@ -106,6 +110,26 @@ class SerialDevicesEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(want, got, rtol=pt.RTOL, atol=pt.ATOL)
 
 
+class SerialEagerTest(tf.test.TestCase):
+
+    def test_four_cells_eagerly_with_two_inter_op_threads_complete(self):
+        # Issue 12: eagerly, K=4, T=8, remat always/except_last with 2 inter-op threads
+        # never returned (each serial call with an argument from another device, or an
+        # int32 one, blocked a pool thread). A subprocess, since the device set-up differs
+        # and a hang must fail the test, not the suite.
+        script = os.path.join(os.path.dirname(__file__), "serial_eager_child.py")
+        try:
+            proc = subprocess.run([sys.executable, script, "2"], capture_output=True,
+                                  text=True, timeout=150)
+        except subprocess.TimeoutExpired:
+            self.fail("serial_devices=True with K=4 hung when run eagerly (issue 12)")
+        self.assertEqual(0, proc.returncode, msg=proc.stderr[-3000:])
+        diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+        self.assertLen(diffs, 6)  # {always, except_last} x {eager, traced, eager FProp}.
+        for name, rel in diffs.items():
+            self.assertLess(rel, pt.RTOL, msg=name)
+
+
 class SerialExecutionTest(tf.test.TestCase):
 
     def _run(self, serial: bool) -> list[tuple[str, float, float]]:
@@ -113,8 +137,11 @@ class SerialExecutionTest(tf.test.TestCase):
         pipe = pt.make_pipeline(layers, num_cells=2, num_micro_batches=2, remat="never",
                                 split_points=[1], partition_method="explicit",
                                 serial_devices=serial)
-        step = tf.function(lambda b: pipe.FPropAndGrads(pipe.theta, b)[0].loss,
-                           autograph=False)
+        def train(b):
+            with fprop_context.fprop_context(training=True):
+                return pipe.FPropAndGrads(pipe.theta, b)[0].loss
+
+        step = tf.function(train, autograph=False)
         step(pt.make_batch())  # Trace and warm up.
         RECORDER.intervals.clear()
         step(pt.make_batch())

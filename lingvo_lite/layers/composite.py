@@ -38,6 +38,7 @@ def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedM
         out_shapes=tuple(out_shapes),
         num_params=sum(m.num_params for m in metas),
         dtype=dtype,
+        **base_layer.extra_param_counts(metas),
     )
 
 

@@ -7,9 +7,13 @@ example i is a pure function of
 
     (layer seed, step_seed, global example index = example_offset + i, j)
 
-computed with a counter-based hash (murmur3's fmix32 avalanche mixer, in TF
-uint32 ops) instead of a stateful RNG. `step_seed` and `example_offset` come
-from `fprop_context.current()` and may be Python ints or scalar int tensors.
+computed with a counter-based generator (Philox, keyed by the layer seed)
+instead of a stateful RNG. Example i is the index along `batch_dim` (0 for
+[batch, ...] inputs, 1 for time-major [time, batch, ...] ones) and j the
+position within the example, so the mask does not depend on where the batch
+axis is, nor on how the batch was split along it. `step_seed`, `example_offset`
+and `batch_dim` come from `fprop_context.current()`; the first two may be
+Python ints or scalar int tensors. A PipeliningLayer sets `batch_dim` to its own.
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ def _philox_key(seed0: int, seed1: int) -> int:
 
 
 def uniform_hash(shape: Any, seed: int | Sequence[int], step_seed: Any,
-                 example_offset: Any) -> tf.Tensor:
-    """Float32 values in [0, 1) of `shape` = [batch, ...]: a pure function of the inputs.
+                 example_offset: Any, batch_dim: int = 0) -> tf.Tensor:
+    """Float32 values in [0, 1) of `shape`: a pure function of the inputs.
 
-    Entry [i, j...] depends only on (seed, step_seed, example_offset + i, flat index
-    of j... within one example), so slicing the batch and shifting
-    `example_offset` accordingly reproduces the same values bit for bit.
+    With i the index along `batch_dim` and j... the others, entry [.., i, ..]
+    depends only on (seed, step_seed, example_offset + i, flat index of j...
+    within one example), so slicing the batch and shifting `example_offset`
+    accordingly reproduces the same values bit for bit, and for batch_dim b the
+    values are those of batch_dim 0 on the shape with axis b moved to the front.
 
     How: Philox is counter-based. With key = f(seed) and the 128-bit counter's
     high word = step_seed, element e of one long stream comes from counter group
@@ -57,6 +63,15 @@ def uniform_hash(shape: Any, seed: int | Sequence[int], step_seed: Any,
     (o * per_example) % 4 values: exactly the mini-batch stream's slice.
     """
     shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+    if batch_dim:
+        rank = int(shape.shape[0])
+        if not 0 <= batch_dim < rank:
+            raise ValueError(f"uniform_hash: batch_dim={batch_dim} is out of range for a "
+                             f"shape of rank {rank}.")
+        # Generate batch-major (examples contiguous in the stream), then move the axis back.
+        perm = [batch_dim] + [d for d in range(rank) if d != batch_dim]
+        u = uniform_hash(tf.gather(shape, perm), seed, step_seed, example_offset)
+        return tf.transpose(u, [perm.index(d) for d in range(rank)])
     seed0, seed1 = _as_seed_pair(seed)
     key = tf.constant([_philox_key(seed0, seed1)], tf.uint64)
     start = tf.cast(example_offset, tf.int64) * tf.reduce_prod(shape[1:])
@@ -86,42 +101,49 @@ def _normalize_dims(dims: Sequence[int] | None, rank: int, where: str) -> tuple[
 
 def dropout(x: tf.Tensor, keep_prob: Any, seed: int | Sequence[int], step_seed: Any,
             example_offset: Any,
-            noise_shape_broadcast_dims: Sequence[int] | None = None) -> tf.Tensor:
-    """Deterministic inverted dropout of `x` [batch, ...] (always applied).
+            noise_shape_broadcast_dims: Sequence[int] | None = None,
+            batch_dim: int = 0) -> tf.Tensor:
+    """Deterministic inverted dropout of `x`, whose examples lie along `batch_dim`.
 
     Keeps an element iff its `uniform_hash` value < keep_prob and scales kept
     values by 1 / keep_prob. Dims in `noise_shape_broadcast_dims` share one mask
-    value; if 0 is among them all examples share one mask.
+    value; if `batch_dim` is among them all examples share one mask.
     """
     _check_keep_prob(keep_prob, "dropout")
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
-    if rank is None or rank < 1:
-        raise ValueError(f"dropout: x needs a known rank >= 1 ([batch, ...]), got {x.shape}.")
+    if rank is None or rank <= batch_dim:
+        raise ValueError(f"dropout: x needs a known rank > batch_dim={batch_dim}, got "
+                         f"{x.shape}.")
     dims = _normalize_dims(noise_shape_broadcast_dims, rank, "dropout")
     shape = tf.shape(x)
     noise_shape = tf.stack([1 if i in dims else shape[i] for i in range(rank)])
-    if 0 in dims:
+    if batch_dim in dims:
         example_offset = 0  # One mask for the whole batch, wherever the micro-batch starts.
-    u = uniform_hash(noise_shape, seed, step_seed, example_offset)
+    u = uniform_hash(noise_shape, seed, step_seed, example_offset, batch_dim)
     keep_prob_f = tf.cast(keep_prob, tf.float32)
     scale = tf.where(u < keep_prob_f, 1.0 / keep_prob_f, tf.zeros_like(u))
     return x * tf.cast(scale, x.dtype)
 
 
 def drop_path(x: tf.Tensor, keep_prob: Any, seed: int | Sequence[int]) -> tf.Tensor:
-    """Drop-path (stochastic depth): drops whole examples of `x` [batch, ...].
+    """Drop-path (stochastic depth): drops whole examples of `x`.
 
     Active only when `fprop_context.current().training` and keep_prob is not 1;
-    step_seed and example_offset come from the context. `keep_prob` may be a
-    scalar tensor (e.g. scheduled over training steps).
+    step_seed, example_offset and batch_dim (the examples' axis) come from the
+    context. `keep_prob` may be a scalar tensor (e.g. scheduled over training steps).
     """
     ctx = fprop_context.current()
     if not ctx.training or (isinstance(keep_prob, (int, float)) and keep_prob == 1.0):
         return x
     x = tf.convert_to_tensor(x)
     return dropout(x, keep_prob, seed, ctx.step_seed, ctx.example_offset,
-                   noise_shape_broadcast_dims=list(range(1, x.shape.rank)))
+                   noise_shape_broadcast_dims=_all_but(ctx.batch_dim, x.shape.rank),
+                   batch_dim=ctx.batch_dim)
+
+
+def _all_but(batch_dim: int, rank: int | None) -> list[int]:
+    return [d for d in range(rank or 0) if d != batch_dim]
 
 
 class DropoutLayer(base_layer.BaseLayer):
@@ -151,7 +173,7 @@ class DropoutLayer(base_layer.BaseLayer):
         """The (user seed, path hash) pair this layer's masks are derived from."""
         return self._seed
 
-    def _broadcast_dims(self, rank: int) -> Sequence[int] | None:
+    def _broadcast_dims(self, rank: int, batch_dim: int) -> Sequence[int] | None:
         return self.params.noise_shape_broadcast_dims
 
     def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
@@ -164,7 +186,7 @@ class DropoutLayer(base_layer.BaseLayer):
         if not ctx.training or p.keep_prob == 1.0:
             return inputs
         return dropout(inputs, p.keep_prob, self._seed, ctx.step_seed, ctx.example_offset,
-                       self._broadcast_dims(inputs.shape.rank))
+                       self._broadcast_dims(inputs.shape.rank, ctx.batch_dim), ctx.batch_dim)
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
@@ -179,7 +201,7 @@ class DropoutLayer(base_layer.BaseLayer):
 
 
 class DropPathLayer(DropoutLayer):
-    """Drop-path as in AmoebaNet/NASNet: one keep decision per example on [B, ...]."""
+    """Drop-path as in AmoebaNet/NASNet: one keep decision per example (along batch_dim)."""
 
     @classmethod
     def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
@@ -187,5 +209,5 @@ class DropPathLayer(DropoutLayer):
         p.Delete("noise_shape_broadcast_dims")
         return p
 
-    def _broadcast_dims(self, rank: int) -> Sequence[int] | None:
-        return list(range(1, rank))
+    def _broadcast_dims(self, rank: int, batch_dim: int) -> Sequence[int] | None:
+        return _all_but(batch_dim, rank)

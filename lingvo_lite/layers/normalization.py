@@ -171,6 +171,7 @@ class BatchNormLayer(base_layer.BaseLayer):
             out_shapes=shape,
             num_params=4 * p.dim,
             dtype=p.fprop_dtype or p.dtype,
+            non_trainable_params=2 * p.dim,  # moving_mean, moving_variance
         )
 
 

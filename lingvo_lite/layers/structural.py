@@ -80,7 +80,8 @@ class FieldLayer(base_layer.BaseLayer):
                              f"gives {len(meta.out_shapes)} outputs.")
         out = shapes.DeepCopy()
         out.Set(p.output_field or p.field, meta.out_shapes[0])
-        return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype)
+        return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
+                                     **base_layer.extra_param_counts([meta]))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -148,4 +149,5 @@ class FieldsLayer(base_layer.BaseLayer):
         if p.output_field is not None:
             stored, out = out, shapes.DeepCopy()
             out.Set(p.output_field, stored)
-        return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype)
+        return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
+                                     **base_layer.extra_param_counts([meta]))

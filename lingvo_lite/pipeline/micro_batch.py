@@ -41,19 +41,40 @@ def batch_size_of(inputs: Any, batch_dim: int = 0) -> int:
     return next(iter(sizes.values()))
 
 
+def check_micro_batch_params(num_micro_batches: Any, micro_batch_size: Any) -> None:
+    """Each of the two is None (unset) or an integer >= 1."""
+    for name, value in (("num_micro_batches", num_micro_batches),
+                        ("micro_batch_size", micro_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or None: unset), got {value!r}.")
+
+
 def resolve_num_micro_batches(
     batch_size: int, num_micro_batches: int | None, micro_batch_size: int | None
 ) -> int:
-    """T from either `num_micro_batches` or `micro_batch_size`; never silently changed."""
+    """T from `num_micro_batches` and/or `micro_batch_size`; never silently changed.
+
+    None means unset; with neither set T is 1. Both set is allowed only when they
+    agree (num_micro_batches * micro_batch_size == batch_size), as in Lingvo.
+    """
+    check_micro_batch_params(num_micro_batches, micro_batch_size)
     if micro_batch_size is not None:
-        if micro_batch_size < 1 or batch_size % micro_batch_size:
+        if batch_size % micro_batch_size:
             raise ValueError(
                 f"micro_batch_size={micro_batch_size} does not divide the mini-batch size "
                 f"{batch_size}; choose one of {_divisors(batch_size)}."
             )
-        return batch_size // micro_batch_size
-    t = 1 if num_micro_batches is None else num_micro_batches  # 0 is an error, not 1.
-    if t < 1 or batch_size % t:
+        t = batch_size // micro_batch_size
+        if num_micro_batches is not None and num_micro_batches != t:
+            raise ValueError(
+                f"num_micro_batches={num_micro_batches} and micro_batch_size="
+                f"{micro_batch_size} disagree for a mini-batch of {batch_size} (that size "
+                f"means {t} micro-batches); set only one of them (the other to None)."
+            )
+        return t
+    t = 1 if num_micro_batches is None else num_micro_batches
+    if batch_size % t:
         raise ValueError(
             f"num_micro_batches={t} does not divide the mini-batch size {batch_size}; "
             f"choose one of {_divisors(batch_size)} or change the batch size."

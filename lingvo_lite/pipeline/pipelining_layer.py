@@ -98,11 +98,15 @@ def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
     outer = fprop_context.current().updates
     traced: dict[str, Any] = {}
 
+    flat_in = _flat(x)
+
     def body(*flat_x: Any) -> list[Any]:
         inner = fprop_context.UpdateCollector() if outer is not None else None
+        leaves = [tf.cast(v, tf.int32) if _is_host_int(orig) else v
+                  for v, orig in zip(flat_x, flat_in)]
         with tf.name_scope(scope + "/" if scope else ""), \
                 fprop_context.fprop_context(updates=inner):
-            y = fn(_pack(x, list(flat_x)))
+            y = fn(_pack(x, leaves))
         reports = [(layer, s) for layer, per_call in (inner.items() if inner else [])
                    for s in per_call]
         traced.update(y=y, reports=reports)
@@ -111,13 +115,44 @@ def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
 
     call = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
     with serial_function_calls():
-        flat_out = list(call(*_flat(x)))
+        flat_out = list(call(*[_to_call_device(v) for v in flat_in]))
     num_y = len(tf.nest.flatten(traced["y"], expand_composites=True))
     y = tf.nest.pack_sequence_as(traced["y"], flat_out[:num_y], expand_composites=True)
     rest = iter(flat_out[num_y:])
     for layer, s in traced["reports"]:
         outer.add(layer, tf.nest.pack_sequence_as(s, [next(rest) for _ in tf.nest.flatten(s)]))
     return y
+
+
+def _check_tensor_leaves(value: Any, where: str) -> None:
+    """A cell boundary carries tensors (or None): anything else is a one-line ValueError."""
+    items = value.FlattenItems() if isinstance(value, NestedMap) else [("", value)]
+    for path, leaf in items:
+        if leaf is not None and not tf.is_tensor(leaf):
+            name = f" leaf '{path}'" if path else ""
+            raise ValueError(
+                f"{where}{name} is a {type(leaf).__name__}, not a tensor; values crossing a "
+                "pipeline cell boundary must be tensors (or None): convert it with "
+                "tf.convert_to_tensor or keep it out of the boundary NestedMap.")
+
+
+def _is_host_int(v: Any) -> bool:
+    return v is not None and v.dtype == tf.int32
+
+
+def _to_call_device(v: Any) -> Any:
+    """`v` on the current device, and as int64 if it is int32.
+
+    The arguments of a serial function call must already live on its device:
+    an argument from another device, or an int32 one (TensorFlow pins int32
+    function arguments to the host CPU, CPU:0), turns the call into a multi-device
+    function whose single-threaded part blocks an inter-op thread until the copy
+    arrives. Run eagerly, K cells with fewer inter-op threads than such pending
+    copies deadlocked (issue 12).
+    """
+    if v is None:
+        return None
+    return tf.cast(v, tf.int64) if _is_host_int(v) else tf.identity(v)
 
 
 def _flat(x: Any) -> list[Any]:
@@ -139,7 +174,15 @@ def _is_trainable(leaf: Any) -> bool:
 
 
 class PipeliningLayer(base_layer.BaseLayer):
-    """Trains a sequence of layers as a GPipe pipeline of K cells and T micro-batches."""
+    """Trains a sequence of layers as a GPipe pipeline of K cells and T micro-batches.
+
+    For layer authors: values crossing a cell boundary must be tensors (or None), in
+    one tensor or one NestedMap. The last layer's scalar outputs are per-micro-batch
+    means that the pipeline combines into mini-batch means; a scalar output named
+    `loss_weight` (or, if absent, `num_examples`) is not a metric but the micro-batch's
+    weight in that mean (e.g. its real token count) and is summed across micro-batches.
+    Those two names are reserved: they must be scalars >= 0.
+    """
 
     @classmethod
     def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
@@ -168,10 +211,16 @@ class PipeliningLayer(base_layer.BaseLayer):
             "is split into R equal shards, each pipelined over its replica's K cells; cell k's "
             "gradients are summed over the replicas with a collective all-reduce on the cells' "
             "devices. Train with FPropAndReplicaGrads.")
-        p.Define("num_micro_batches", 1, "T: micro-batches per mini-batch (per replica).")
+        p.Define("num_micro_batches", None,
+                 "T: micro-batches per mini-batch of each replica (>= 1). None: unset, i.e. 1 "
+                 "unless micro_batch_size is set.")
         p.Define("micro_batch_size", None,
-                 "Alternative to num_micro_batches: examples per micro-batch.")
-        p.Define("batch_dim", 0, "The batch dimension of every input tensor.")
+                 "Alternative to num_micro_batches: examples per micro-batch. Setting both "
+                 "is an error unless they agree with the mini-batch size.")
+        p.Define("batch_dim", 0,
+                 "The batch dimension of every input tensor. The layers see it as "
+                 "fprop_context.current().batch_dim: dropout and drop-path draw each "
+                 "example's mask from its position along it, whatever T is.")
         p.Define(
             "remat", "except_last",
             "Re-materialisation: 'always' recompute every cell's forward in its backward "
@@ -204,6 +253,10 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: p.layers is empty; give the layer params to pipeline.")
         if p.remat not in REMAT_MODES:
             raise ValueError(f"{self.path}: remat={p.remat!r}; use one of {REMAT_MODES}.")
+        try:
+            micro_batch.check_micro_batch_params(p.num_micro_batches, p.micro_batch_size)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
         if p.remat != "never":
             keep_recomputation_in_graphs()
         if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) \
@@ -367,10 +420,12 @@ class PipeliningLayer(base_layer.BaseLayer):
                 f"Cell {k} returns a tuple; a pipeline boundary carries one value. Return a "
                 "NestedMap to carry several tensors between cells."
             )
+        _check_tensor_leaves(out, f"The output of cell {k}")
         return out
 
     def _split(self, inputs: Any) -> tuple[list[Any], int, int]:
         p = self.params
+        _check_tensor_leaves(inputs, "The pipeline input")
         batch_size = micro_batch.batch_size_of(inputs, p.batch_dim)
         num_micro = self.num_micro_batches_for(batch_size)
         return micro_batch.split(inputs, num_micro, p.batch_dim), num_micro, batch_size // num_micro
@@ -387,7 +442,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 continue
             k, t = action.cell, action.micro_batch
             with tf.device(self._devices[k]), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
-                    fprop_context.fprop_context(example_offset=base_offset + t * micro_size):
+                    fprop_context.fprop_context(example_offset=base_offset + t * micro_size,
+                                                batch_dim=self.params.batch_dim):
                 y = self._cell_fprop(theta, k, boundary.pop((k, t)))
             if k == self.num_cells - 1:
                 outputs[t] = y
@@ -396,21 +452,18 @@ class PipeliningLayer(base_layer.BaseLayer):
         ordered = [outputs[t] for t in range(num_micro)]
         return micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
 
-    @staticmethod
-    def _loss_weights(outputs: list[Any]) -> list[Any] | None:
+    @classmethod
+    def _loss_weights(cls, outputs: list[Any]) -> list[Any] | None:
         """Micro-batch weights from a scalar `loss_weight` or `num_examples` output.
 
         With padded examples or tokens, micro-batches weigh differently; the
         mini-batch loss is then the weighted mean of the micro-batch means.
         """
-        if len(outputs) == 1 or not isinstance(outputs[0], NestedMap):
+        weights = [cls._micro_batch_weight(o) for o in outputs]
+        if len(outputs) == 1 or weights[0] is None:
             return None
-        for key in micro_batch.WEIGHT_KEYS:
-            if all(key in o and o[key].shape.rank == 0 for o in outputs):
-                counts = [tf.cast(o[key], tf.float32) for o in outputs]
-                total = tf.maximum(tf.add_n(counts), 1e-8)
-                return [c / total for c in counts]
-        return None
+        total = tf.maximum(tf.add_n(weights), 1e-8)
+        return [w / total for w in weights]
 
     def _keeps_activations(self, sched: schedule.Schedule, k: int, t: int) -> bool:
         """Whether F(k, t) keeps its activations for B(k, t) instead of recomputing."""
@@ -422,27 +475,65 @@ class PipeliningLayer(base_layer.BaseLayer):
         return i + 1 < len(order) and order[i + 1] == schedule.Action(
             schedule.Phase.BACKWARD, k, t)
 
-    def FPropAndGrads(self, theta: NestedMap, inputs: Any) -> tuple[Any, NestedMap]:  # noqa: N802
-        """Pipelined forward and backward of one mini-batch.
+    def FPropAndGrads(  # noqa: N802
+        self, theta: NestedMap, inputs: Any, return_input_grads: bool = False
+    ) -> tuple[Any, NestedMap] | tuple[Any, NestedMap, Any]:
+        """Pipelined forward and backward of one mini-batch (training only).
+
+        Must run inside `fprop_context.fprop_context(training=True, ...)`; outside
+        it this raises instead of silently training in eval mode.
 
         The last layer must return a NestedMap with a scalar `loss` (the mean over
-        its micro-batch; optionally a scalar `loss_weight` when micro-batches weigh
-        differently, e.g. by real token count). The mini-batch loss is the
-        (weighted) mean over micro-batches.
+        its micro-batch). The mini-batch loss is the mean over micro-batches, or,
+        when the last layer also returns a scalar `loss_weight` (else `num_examples`),
+        the mean weighted by it: these two output names are reserved for that
+        weight, which must be a scalar >= 0 (checked at run time).
+
+        Side updates (batch-norm moving statistics): if the current fprop_context
+        has an `UpdateCollector`, they are reported to it and the caller applies
+        them (as `BaseTask.TrainStep` does, only for steps it applies). Without one,
+        FPropAndGrads applies the pooled updates itself once the backward is built,
+        so they cannot be forgotten.
+
+        Args:
+          theta: the pipeline's theta (e.g. `self.theta`).
+          inputs: the mini-batch (a tensor or a NestedMap of tensors).
+          return_input_grads: also return d(loss)/d(inputs), computed by the
+            pipeline's own schedule (cell 0's backward, with its recomputation).
 
         Returns:
-          (outputs, grads): the merged outputs of the last cell, and a NestedMap
+          (outputs, grads), or (outputs, grads, input_grads) with
+          `return_input_grads`: the merged outputs of the last cell; a NestedMap
           shaped like `theta` with the gradient of the mini-batch loss for every
-          trainable leaf (None for non-trainable ones), summed over micro-batches
-          on each cell's device.
+          trainable leaf (None for non-trainable ones), summed over micro-batches on
+          each cell's device; and a structure like `inputs` with the gradient for
+          every float leaf (None for the others).
         """
         if self.num_replicas > 1 and self._active_replica is None:
             raise ValueError(
                 f"{self.path} has num_replicas={self.num_replicas}: train it with "
                 "FPropAndReplicaGrads(replica_thetas(theta), inputs), which updates every "
                 "replica's weights, or set num_replicas=1.")
+        split = self._split(inputs)
+        ctx = fprop_context.current()
+        if not ctx.training:
+            raise ValueError(
+                "FPropAndGrads trains: call it inside fprop_context.fprop_context("
+                "training=True, ...); for evaluation use FProp.")
+        if ctx.updates is not None:
+            result = self._FPropAndGrads(theta, split, return_input_grads)
+        else:
+            collector = fprop_context.UpdateCollector()
+            with fprop_context.fprop_context(updates=collector):
+                result = self._FPropAndGrads(theta, split, return_input_grads)
+            collector.apply()
+        return result if return_input_grads else result[:2]
+
+    def _FPropAndGrads(  # noqa: N802
+        self, theta: NestedMap, split: tuple[list[Any], int, int], return_input_grads: bool
+    ) -> tuple[Any, NestedMap, Any]:
+        xs, num_micro, micro_size = split
         devices = self._mesh[self._active_replica or 0]
-        xs, num_micro, micro_size = self._split(inputs)
         sched = self.make_schedule(num_micro)
         base_offset = fprop_context.current().example_offset
         num_cells = self.num_cells
@@ -458,6 +549,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         outputs: dict[int, Any] = {}
         taped: dict[tuple[int, int], tuple[tf.GradientTape, Any, Any]] = {}
         out_grads: dict[tuple[int, int], Any] = {}
+        input_grads: dict[int, Any] = {}
         last_ops: list[list[Any]] = [[] for _ in range(num_cells)]
 
         for action in sched.actions():
@@ -468,7 +560,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 x = boundary[(k, t)]
                 with tf.device(device), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
                         tf.control_dependencies(last_ops[k]), \
-                        fprop_context.fprop_context(example_offset=offset):
+                        fprop_context.fprop_context(example_offset=offset,
+                                                    batch_dim=self.params.batch_dim):
                     if self._keeps_activations(sched, k, t):
                         tape = tf.GradientTape(watch_accessed_variables=False)
                         with tape:
@@ -508,8 +601,11 @@ class PipeliningLayer(base_layer.BaseLayer):
                 for y_leaf, g_leaf in zip(_flat(y), _flat(upstream)):
                     if _is_float(y_leaf):
                         y_leaves.append(y_leaf)
-                        g_leaves.append(tf.zeros_like(y_leaf) if g_leaf is None else g_leaf)
-                x_sources = [v for v in _flat(x) if _is_float(v)] if k > 0 else []
+                        g = tf.zeros_like(y_leaf) if g_leaf is None else g_leaf
+                        # A serial backward call's arguments must be local (_to_call_device).
+                        g_leaves.append(tf.identity(g) if self.params.serial_devices else g)
+                x_sources = ([v for v in _flat(x) if _is_float(v)]
+                             if k > 0 or return_input_grads else [])
                 with serial_function_calls(self.params.serial_devices):
                     all_grads = tape.gradient(
                         y_leaves, x_sources + cell_sources[k], output_gradients=g_leaves,
@@ -531,15 +627,38 @@ class PipeliningLayer(base_layer.BaseLayer):
                 dx_iter = iter(dx)
                 out_grads[(k - 1, t)] = _pack(
                     x, [next(dx_iter) if _is_float(v) else None for v in _flat(x)])
+            elif return_input_grads:
+                dx_iter = iter(dx)
+                input_grads[t] = [next(dx_iter) if _is_float(v) else None for v in _flat(x)]
             last_ops[k] = list(dx) + list(dw)
 
         ordered = [outputs[t] for t in range(num_micro)]
         weights = [self._micro_batch_weight(o) for o in ordered]
-        if weights[0] is not None:
-            total = tf.maximum(tf.add_n(weights), 1e-8)
+        total = None if weights[0] is None else tf.maximum(tf.add_n(weights), 1e-8)
+        if total is not None:
             grads = [g if g is None else g / tf.cast(total, g.dtype) for g in grads]
         merged = micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
-        return merged, theta.Pack(grads)
+        dinputs = None
+        if return_input_grads:
+            dinputs = _pack(xs[0], self._merge_input_grads(
+                xs[0], [input_grads[t] for t in range(num_micro)], total))
+        return merged, theta.Pack(grads), dinputs
+
+    def _merge_input_grads(self, like: Any, per_micro: list[list[Any]],
+                           total: Any) -> list[Any]:
+        """Concatenates per-micro-batch input gradients; a shared scalar input's are summed."""
+        merged = []
+        for i, leaf in enumerate(_flat(like)):
+            parts = [g[i] for g in per_micro]
+            if parts[0] is None:
+                merged.append(None)
+                continue
+            if leaf.shape.rank == 0:
+                g = tf.add_n(parts)
+            else:
+                g = parts[0] if len(parts) == 1 else tf.concat(parts, self.params.batch_dim)
+            merged.append(g if total is None else g / tf.cast(total, g.dtype))
+        return merged
 
     def FPropAndReplicaGrads(  # noqa: N802
         self, thetas: list[NestedMap], inputs: Any
@@ -573,7 +692,15 @@ class PipeliningLayer(base_layer.BaseLayer):
                 f"num_replicas={self.num_replicas} equal shards; make input.batch_size a "
                 f"multiple of {self.num_replicas}.")
         shard_size = batch_size // self.num_replicas
-        base_offset = fprop_context.current().example_offset
+        ctx = fprop_context.current()
+        if ctx.updates is None and ctx.training:
+            # As in FPropAndGrads: side updates pooled over every replica, applied once.
+            collector = fprop_context.UpdateCollector()
+            with fprop_context.fprop_context(updates=collector):
+                result = self.FPropAndReplicaGrads(thetas, inputs)
+            collector.apply()
+            return result
+        base_offset = ctx.example_offset
         outputs, grads = [], []
         for r, shard in enumerate(micro_batch.split(inputs, self.num_replicas, p.batch_dim)):
             self._active_replica = r
@@ -625,9 +752,27 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     @staticmethod
     def _micro_batch_weight(output: Any) -> tf.Tensor | None:
+        """The last cell's `loss_weight` (else `num_examples`) output: a scalar >= 0, or None.
+
+        These two names are reserved (see the class docstring): a non-scalar one is a
+        ValueError, a negative one fails a run-time assertion.
+        """
+        if not isinstance(output, NestedMap):
+            return None
         for key in micro_batch.WEIGHT_KEYS:
-            if key in output and output[key].shape.rank == 0:
-                return tf.cast(output[key], tf.float32)
+            if key not in output or output[key] is None:
+                continue
+            w = output[key]
+            if w.shape.rank != 0:
+                raise ValueError(
+                    f"The last cell's output '{key}' has shape {w.shape}, but '{key}' is "
+                    "reserved for a scalar micro-batch weight (PipeliningLayer weighs each "
+                    "micro-batch's scalars by it); return a scalar count or rename the output.")
+            w = tf.cast(w, tf.float32)
+            check = tf.debugging.assert_non_negative(
+                w, message=f"The last cell's micro-batch weight '{key}' must be >= 0")
+            with tf.control_dependencies([check] if check is not None else []):
+                return tf.identity(w)
         return None
 
     def _recompute(self, theta: NestedMap, k: int, x: Any, upstream: Any,
@@ -642,7 +787,8 @@ class PipeliningLayer(base_layer.BaseLayer):
         wait_for = [g for g in _flat(upstream) if g is not None]
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tf.control_dependencies(wait_for), tf.name_scope("recompute"), \
-                fprop_context.fprop_context(example_offset=offset, updates=None):
+                fprop_context.fprop_context(example_offset=offset, updates=None,
+                                            batch_dim=self.params.batch_dim):
             x = _pack(x, [tf.identity(v) if v is not None else None for v in _flat(x)])
             with tape:
                 tape.watch([v for v in _flat(x) if _is_float(v)] + sources)

@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
+from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.pipeline import partition, pipelining_layer
 from lingvo_lite.training import model_config
 
@@ -56,11 +56,13 @@ def _layer_name(lp: hyperparams.Params, i: int) -> str:
 
 
 def describe_pipeline(path: str, p: hyperparams.Params,
-                      extra_num_cells: Sequence[int] = ()) -> tuple[str, int]:
+                      extra_num_cells: Sequence[int] = ()) -> tuple[str, dict[str, int]]:
     """Per-layer table and partition report(s) of one PipeliningLayer params.
 
     Returns:
-      (text, total number of weight elements; 0 when the costs cannot be estimated).
+      (text, counts): counts of weight elements (all zero when the costs cannot be
+      estimated): `num_params` (all), `non_trainable_params` (e.g. batch-norm moving
+      statistics) and `training_only_params` (e.g. auxiliary heads).
     """
     lines = [
         f"PipeliningLayer '{path}': {len(p.layers)} layers, num_cells={p.num_cells}, "
@@ -69,7 +71,7 @@ def describe_pipeline(path: str, p: hyperparams.Params,
         f"schedule={p.schedule}",
         f"input_shapes: {format_shapes(p.input_shapes) if p.input_shapes is not None else None}",
     ]
-    total_params = 0
+    counts = {"num_params": 0, "non_trainable_params": 0, "training_only_params": 0}
     try:
         metas = pipelining_layer.PipeliningLayer.LayerMetas(p)
     except ValueError as e:
@@ -81,8 +83,9 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             rows.append((str(i), _layer_name(lp, i), lp.cls.__name__,
                          format_shapes(meta.out_shapes), format_count(meta.num_params),
                          partition.format_si(meta.flops), partition.format_si(meta.out_bytes)))
-        total_params = sum(m.num_params for m in metas)
-        rows.append(("", "total", "", "", format_count(total_params),
+        counts = {"num_params": sum(m.num_params for m in metas),
+                  **base_layer.extra_param_counts(metas)}
+        rows.append(("", "total", "", "", format_count(counts["num_params"]),
                      partition.format_si(sum(m.flops for m in metas)), ""))
         header = ("#", "layer", "class", "output shape", "params", "fwd flops", "out bytes")
         lines += _table(header, rows, (True, False, False, False, True, True, True))
@@ -97,7 +100,7 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines.append(f"K={k}: cannot partition: {e}")
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
-    return "\n".join(lines), total_params
+    return "\n".join(lines), counts
 
 
 def _describe_mesh(p: hyperparams.Params) -> str:
@@ -131,12 +134,22 @@ def describe_model(name: str, task_params: hyperparams.Params,
     if not pipelines:
         lines.append("No PipeliningLayer in the task params: there are no layer costs to show.")
         return "\n".join(lines) + "\n"
-    total = 0
+    total = {"num_params": 0, "non_trainable_params": 0, "training_only_params": 0}
     for path, p in pipelines:
-        text, n = describe_pipeline(path, p, extra_num_cells)
+        text, counts = describe_pipeline(path, p, extra_num_cells)
         lines += ["", text]
-        total += n
-    lines += ["", f"Total parameters in PipeliningLayers: {format_count(total)}"]
+        for key in total:
+            total[key] += counts[key]
+    non_trainable = total["non_trainable_params"]
+    trainable = total["num_params"] - non_trainable
+    lines += ["", f"Total parameters in PipeliningLayers: {format_count(total['num_params'])}",
+              f"  trainable: {format_count(trainable)}",
+              f"  non-trainable (e.g. batch-norm moving statistics): "
+              f"{format_count(non_trainable)}"]
+    if total["training_only_params"]:
+        aux = total["training_only_params"]
+        lines.append(f"  trainable, used only in training (auxiliary heads): {format_count(aux)}; "
+                     f"trainable without them: {format_count(trainable - aux)}")
     return "\n".join(lines) + "\n"
 
 

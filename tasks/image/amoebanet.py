@@ -174,18 +174,20 @@ class _StepsLayer(base_layer.BaseLayer):
         return x
 
     @classmethod
-    def _StepsMeta(cls, p: Params, shape: tf.TensorShape) -> tuple[float, tf.TensorShape, int]:  # noqa: N802
-        """(flops, output shape, num_params) of the chain applied to `shape`."""
-        flops, num_params = 0.0, 0
+    def _StepsMeta(cls, p: Params, shape: tf.TensorShape  # noqa: N802
+                   ) -> tuple[float, tf.TensorShape, int, dict[str, int]]:
+        """(flops, output shape, num_params, extra_param_counts) of the chain on `shape`."""
+        flops, num_params, metas = 0.0, 0, []
         for _, step in cls._Steps(p):
             if step is None:
                 flops += _num_elements(shape)  # One max per element.
                 continue
             meta = step.cls.FPropMeta(step, shape)
+            metas.append(meta)
             flops += meta.flops
             num_params += meta.num_params
             shape = meta.out_shapes[0]
-        return flops, shape, num_params
+        return flops, shape, num_params, base_layer.extra_param_counts(metas)
 
 
 class SubsampleLayer(base_layer.BaseLayer):
@@ -347,8 +349,8 @@ class AmoebaOpLayer(_StepsLayer):
     def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
         shape = base_layer.to_shape(inputs)
         _check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
-        flops, out, num_params = cls._StepsMeta(p, shape)
-        return base_layer.fprop_meta(flops, out, num_params, _dtype(p))
+        flops, out, num_params, extra = cls._StepsMeta(p, shape)
+        return base_layer.fprop_meta(flops, out, num_params, _dtype(p), **extra)
 
 
 class FactorizedReductionLayer(base_layer.BaseLayer):
@@ -426,7 +428,7 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
                                                                   concat))
         return base_layer.fprop_meta(
             flops + sum(m.flops for m in metas), metas[-1].out_shapes[0],
-            sum(m.num_params for m in metas), _dtype(p))
+            sum(m.num_params for m in metas), _dtype(p), **base_layer.extra_param_counts(metas))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,11 +653,12 @@ class AmoebaNetCell(base_layer.BaseLayer):
         x = tf.TensorShape(shapes.x)
         _check_nhwc(where, x, p.input_dim, "input_dim")
         fixed = dict(cls._FixedChildren(p, plan))
-        flops, num_params = 0.0, 0
+        flops, num_params, child_metas = 0.0, 0, []
 
         def run(child: InstantiableParams, shape: tf.TensorShape) -> tf.TensorShape:
             nonlocal flops, num_params
             meta = child.cls.FPropMeta(child, shape)
+            child_metas.append(meta)
             flops += meta.flops
             num_params += meta.num_params
             return meta.out_shapes[0]
@@ -688,7 +691,8 @@ class AmoebaNetCell(base_layer.BaseLayer):
         out = shapes.copy()
         out.x = out_shapes[0][:-1].concatenate([plan.out_dim])
         out.prev_x = x
-        return base_layer.fprop_meta(flops, out, num_params, _dtype(p))
+        return base_layer.fprop_meta(flops, out, num_params, _dtype(p),
+                                     **base_layer.extra_param_counts(child_metas))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,11 +738,11 @@ class StemLayer(_StepsLayer):
     @classmethod
     def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
         shapes = _boundary(p.name or cls.__name__, base_layer.to_shape(inputs), p.image_key)
-        flops, x, num_params = cls._StepsMeta(p, tf.TensorShape(shapes[p.image_key]))
+        flops, x, num_params, extra = cls._StepsMeta(p, tf.TensorShape(shapes[p.image_key]))
         out = shapes.copy()
         del out[p.image_key]
         out.x = x
-        return base_layer.fprop_meta(flops, out, num_params, _dtype(p))
+        return base_layer.fprop_meta(flops, out, num_params, _dtype(p), **extra)
 
 
 def _per_example_correct(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
@@ -836,7 +840,11 @@ class AuxHeadLayer(base_layer.BaseLayer):
         out = shapes.copy()
         out.aux_xent = tf.TensorShape([batch])
         out.aux_correct = tf.TensorShape([batch])
-        return base_layer.fprop_meta(flops, out, num_params, _dtype(p))
+        # The whole head only serves training (evaluation drops it).
+        non_trainable = base_layer.extra_param_counts(metas)["non_trainable_params"]
+        return base_layer.fprop_meta(flops, out, num_params, _dtype(p),
+                                     non_trainable_params=non_trainable,
+                                     training_only_params=num_params - non_trainable)
 
 
 class HeadLayer(base_layer.BaseLayer):
