@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -129,3 +130,31 @@ class MultiProcessTrainerTest(tf.test.TestCase):
             for status, out in rerun:
                 self.assertEqual(0, status, msg=out[-3000:])
             self.assertIn(f"Resuming training from step {step}", rerun[1][1])
+
+
+@pytest.mark.slow
+class ReadmeMeshCommandsTest(tf.test.TestCase):
+    """The README's 'Running on several devices and hosts' commands, run as written.
+
+    Only the interpreter (`.venv/bin/python` -> this one) and the /tmp logdirs (-> a temporary
+    directory) are substituted.
+    """
+
+    def test_readme_commands_train_to_the_end(self):
+        with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+        section = text.split("## Running on several devices and hosts", 1)[1].split("\n## ", 1)[0]
+        blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+        self.assertLen(blocks, 2)
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+        env.pop("TF_CONFIG", None)
+        for block, logdir in zip(blocks, ("lingvo_lite_mesh", "lingvo_lite_2hosts")):
+            script = block.replace(".venv/bin/python", sys.executable).replace(
+                f"/tmp/{logdir}", os.path.join(root, logdir))
+            proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=600)
+            self.assertEqual(0, proc.returncode, msg=(proc.stdout + proc.stderr)[-3000:])
+            ckpt = tf.train.latest_checkpoint(os.path.join(root, logdir, "checkpoints"))
+            self.assertTrue(ckpt and ckpt.endswith("ckpt-20"), msg=ckpt)
