@@ -136,6 +136,22 @@ def _check_tensor_leaves(value: Any, where: str) -> None:
                 "tf.convert_to_tensor or keep it out of the boundary NestedMap.")
 
 
+def _applying_side_updates(step: Callable[[], Any]) -> Any:
+    """Runs `step`; if the caller collects no side updates, pools and applies them here.
+
+    With an `UpdateCollector` in the current fprop_context the caller applies the
+    updates (BaseTask.TrainStep does, for the steps it applies); without one they
+    would be silently lost, so they are applied once `step` is built.
+    """
+    if fprop_context.current().updates is not None:
+        return step()
+    collector = fprop_context.UpdateCollector()
+    with fprop_context.fprop_context(updates=collector):
+        result = step()
+    collector.apply()
+    return result
+
+
 def _is_host_int(v: Any) -> bool:
     return v is not None and v.dtype == tf.int32
 
@@ -520,13 +536,8 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(
                 "FPropAndGrads trains: call it inside fprop_context.fprop_context("
                 "training=True, ...); for evaluation use FProp.")
-        if ctx.updates is not None:
-            result = self._FPropAndGrads(theta, split, return_input_grads)
-        else:
-            collector = fprop_context.UpdateCollector()
-            with fprop_context.fprop_context(updates=collector):
-                result = self._FPropAndGrads(theta, split, return_input_grads)
-            collector.apply()
+        result = _applying_side_updates(
+            lambda: self._FPropAndGrads(theta, split, return_input_grads))
         return result if return_input_grads else result[:2]
 
     def _FPropAndGrads(  # noqa: N802
@@ -692,15 +703,14 @@ class PipeliningLayer(base_layer.BaseLayer):
                 f"num_replicas={self.num_replicas} equal shards; make input.batch_size a "
                 f"multiple of {self.num_replicas}.")
         shard_size = batch_size // self.num_replicas
-        ctx = fprop_context.current()
-        if ctx.updates is None and ctx.training:
-            # As in FPropAndGrads: side updates pooled over every replica, applied once.
-            collector = fprop_context.UpdateCollector()
-            with fprop_context.fprop_context(updates=collector):
-                result = self.FPropAndReplicaGrads(thetas, inputs)
-            collector.apply()
-            return result
-        base_offset = ctx.example_offset
+        # Side updates of every replica pool into one collector, applied once.
+        return _applying_side_updates(
+            lambda: self._replica_steps(thetas, inputs, shard_size))
+
+    def _replica_steps(self, thetas: list[NestedMap], inputs: Any,
+                       shard_size: int) -> tuple[Any, list[NestedMap]]:
+        p = self.params
+        base_offset = fprop_context.current().example_offset
         outputs, grads = [], []
         for r, shard in enumerate(micro_batch.split(inputs, self.num_replicas, p.batch_dim)):
             self._active_replica = r
@@ -714,9 +724,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                 self._active_replica = None
             outputs.append(out)
             grads.append(g)
-        weights = [self._micro_batch_weight(o) for o in outputs]
         if self.num_replicas == 1:
             return outputs[0], grads
+        weights = [self._micro_batch_weight(o) for o in outputs]
         if weights[0] is None:
             weights = [tf.constant(1.0)] * self.num_replicas
         return (micro_batch.merge(outputs, p.batch_dim, self._loss_weights(outputs)),
