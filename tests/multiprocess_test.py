@@ -5,7 +5,8 @@
 After the run the chief's checkpoint must equal a single-process run on the same global batch
 (the same micro-batches: R x T of them). Then faults: killing one process mid-run makes the
 other exit non-zero with a line naming what was lost, within the bound; re-running both resumes
-from the last checkpoint and finishes. Only the processes started here are stopped, by PID.
+from the last checkpoint and, with --deterministic, ends with the uninterrupted run's weights bit
+for bit. Only the processes started here are stopped, by PID.
 """
 
 from __future__ import annotations
@@ -101,9 +102,14 @@ class MultiProcessTrainerTest(tf.test.TestCase):
         # Only the chief writes: the worker task left no files of its own.
         self.assertFalse([f for f in os.listdir(logdir) if f.startswith("task_")])
 
-    def test_lost_process_stops_the_other_and_a_rerun_resumes(self):
-        flags = ["--num_replicas=2", "--num_cells=2", "--max_steps=100000",
+    def test_lost_process_stops_the_other_and_a_rerun_resumes_exactly(self):
+        # --deterministic: the resumed run must end with the uninterrupted run's weights, bit
+        # for bit (two uninterrupted runs of this configuration are bitwise equal).
+        flags = ["--num_replicas=2", "--num_cells=2", "--max_steps=300", "--deterministic",
                  "--model_params_override=train.save_interval_steps : 20"]
+        uninterrupted = os.path.join(self.root, "uninterrupted")
+        for status, out in self._run_cluster(uninterrupted, flags):
+            self.assertEqual(0, status, msg=out[-3000:])
         for victim, survivor, message in ((1, 0, "lost task 1"), (0, 1, "lost the chief")):
             logdir = os.path.join(self.root, f"kill_{victim}")
             addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
@@ -113,7 +119,7 @@ class MultiProcessTrainerTest(tf.test.TestCase):
                 deadline = time.monotonic() + 180
                 while not tf.train.latest_checkpoint(ckpt_dir):
                     self.assertLess(time.monotonic(), deadline, "no checkpoint was written")
-                    time.sleep(0.5)
+                    time.sleep(0.2)
                 procs[victim].kill()
                 killed_at = time.monotonic()
                 out = procs[survivor].communicate(timeout=BOUND_S + 30)[0]
@@ -126,10 +132,15 @@ class MultiProcessTrainerTest(tf.test.TestCase):
             finally:
                 _stop(list(procs.values()))
             step = int(tf.train.latest_checkpoint(ckpt_dir).rsplit("-", 1)[1])
-            rerun = self._run_cluster(logdir, flags[:2] + [f"--max_steps={step + 4}"])
+            self.assertLess(step, 300, "the run ended before the kill; nothing was resumed")
+            rerun = self._run_cluster(logdir, flags)
             for status, out in rerun:
                 self.assertEqual(0, status, msg=out[-3000:])
             self.assertIn(f"Resuming training from step {step}", rerun[1][1])
+            want, got = _weights(uninterrupted), _weights(logdir)
+            self.assertCountEqual(want, got)
+            for key in want:
+                self.assertAllEqual(want[key], got[key], msg=key)
 
 
 @pytest.mark.slow
