@@ -157,16 +157,20 @@ def amoebanet(batch: int, image_size: int, filters: int, num_normal_cells: int):
 
 
 
-def model(name: str, quick: bool = False):
-    """The named benchmark configuration (see BENCHMARKS.md for why each is sized so)."""
+def model(name: str, quick: bool = False, batch_multiple: int = 1):
+    """The named benchmark configuration (see BENCHMARKS.md for why each is sized so).
+
+    `batch_multiple` scales the batch (data-parallel figures keep the per-replica batch).
+    """
+    m = batch_multiple
     if name == "transformer":  # Compute-heavy: long sequences, attention + FFN.
-        return transformer(8, 16, 256 if not quick else 128, 128, 512, 4)
+        return transformer(8, 16 * m, 256 if not quick else 128, 128, 512, 4)
     if name == "transformer_small":  # For overhead / remat cost figures at K=1.
-        return transformer(4, 8, 128, 128, 512, 4)
+        return transformer(4, 8 * m, 128, 128, 512, 4)
     if name == "amoebanet":
-        return amoebanet(32, 32, 32, 1) if not quick else amoebanet(16, 16, 16, 1)
+        return amoebanet(32 * m, 32, 32, 1) if not quick else amoebanet(16 * m, 16, 16, 1)
     if name == "weight_heavy":  # 2048x2048 dense layers on a small batch.
-        return mlp(4, 64, 2048)
+        return mlp(4, 64 * m, 2048)
     raise ValueError(f"Unknown benchmark model {name!r}.")
 
 

@@ -6,7 +6,7 @@ the device / thread flags set before TensorFlow starts:
     python bench/worker.py --figure=speedup --model=transformer --devices=2 --intra=1 --inter=2
 
 Figures: speedup, speedup_serial, single_device, microbatch_cost, overhead, remat_cost,
-memory, fits, partition.
+memory, fits, partition, data_parallel, cross_process.
 """
 
 from __future__ import annotations
@@ -262,11 +262,25 @@ def fig_partition() -> dict:
     return {"rows": rows}
 
 
+def fig_data_parallel() -> dict:
+    import scaleout
+
+    return scaleout.data_parallel(FLAGS.model, FLAGS.quick, FLAGS.rounds, FLAGS.iters)
+
+
+def fig_cross_process() -> dict:
+    import scaleout
+
+    return scaleout.cross_process(FLAGS.model, FLAGS.quick, FLAGS.rounds, FLAGS.iters,
+                                  FLAGS.intra, FLAGS.inter)
+
+
 FIGURES = {"speedup": fig_speedup, "speedup_serial": fig_speedup_serial,
            "microbatch_cost": fig_microbatch_cost,
            "single_device": fig_single_device, "overhead": fig_overhead,
            "remat_cost": fig_remat_cost, "memory": fig_memory, "fits": fig_fits,
-           "partition": fig_partition}
+           "partition": fig_partition, "data_parallel": fig_data_parallel,
+           "cross_process": fig_cross_process}
 
 
 def main(argv) -> None:

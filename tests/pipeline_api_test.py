@@ -170,5 +170,41 @@ class BoundaryErrorsTest(tf.test.TestCase):
             _train(pipe, batch)
 
 
+class GradientPlacementTest(tf.test.TestCase, parameterized.TestCase):
+    """Every weight gradient is produced on its cell's device (none crosses to another).
+
+    An op without a device lands on the default device; if one sat on the path of a cell's
+    gradients, all of them would be copied there and back every step (across hosts in a
+    cluster). The softmax loss reports num_examples, so the weighted-mean division runs.
+    """
+
+    @parameterized.parameters(1, 2)
+    def test_gradients_stay_on_their_cells_devices(self, num_replicas):
+        devices = [f"/device:CPU:{i}" for i in range(2 * num_replicas)]
+        pipe = pt.make_pipeline(pt.mlp_layers(), 2, 4, "except_last",
+                                num_replicas=num_replicas, placement=devices)
+        thetas = pipe.replica_thetas(pipe.theta)
+
+        grads = []
+
+        def step(batch):
+            with fprop_context.fprop_context(training=True, step_seed=3):
+                grads.extend(pipe.FPropAndReplicaGrads(thetas, batch)[1])
+            return grads[0].Flatten()[0]
+
+        tf.function(step, autograph=False).get_concrete_function(pt.make_batch())
+        checked = 0
+        for r, (theta, g) in enumerate(zip(thetas, grads)):
+            for k in range(pipe.num_cells):
+                want = tf.DeviceSpec.from_string(devices[r * 2 + k])
+                for i in pipe.cell_layers(k):
+                    for grad in g.layers[i].Flatten():
+                        got = tf.DeviceSpec.from_string(grad.op.device)
+                        self.assertEqual((want.device_type, want.device_index),
+                                         (got.device_type, got.device_index), msg=grad.name)
+                        checked += 1
+        self.assertGreater(checked, 10)
+
+
 if __name__ == "__main__":
     tf.test.main()

@@ -647,7 +647,14 @@ class PipeliningLayer(base_layer.BaseLayer):
         weights = [self._micro_batch_weight(o) for o in ordered]
         total = None if weights[0] is None else tf.maximum(tf.add_n(weights), 1e-8)
         if total is not None:
-            grads = [g if g is None else g / tf.cast(total, g.dtype) for g in grads]
+            # Each gradient is divided on its cell's device: an op without a device would be
+            # placed on the default one, and every cell's weight gradients would cross to it
+            # and back (across hosts, in a cluster).
+            cell_of_leaf = self._cell_of_theta_leaves()
+            for i, g in enumerate(grads):
+                if g is not None:
+                    with tf.device(devices[cell_of_leaf[i]]):
+                        grads[i] = g / tf.cast(total, g.dtype)
         merged = micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
         dinputs = None
         if return_input_grads:
