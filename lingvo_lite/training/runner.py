@@ -15,10 +15,13 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 USER_ERRORS = (ValueError, KeyError, AttributeError, FileNotFoundError)
 Job = Callable[[], int]
@@ -310,7 +313,8 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
 
 
 def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir: str,
-                   eval_splits: dict, out: TextIO, err: TextIO, strategy=None) -> Job:
+                   eval_splits: dict, out: TextIO, err: TextIO,
+                   strategy: tf.distribute.Strategy | None = None) -> Job:
     """Setup of train / train_and_eval (under the logdir lock)."""
     from lingvo_lite.training import analysis, checkpointer, loop
 
