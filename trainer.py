@@ -19,6 +19,10 @@ Modes:
 <logdir>/train (TensorBoard's profile tab) and writes the pipeline's Gantt chart (image
 pipeline/gantt) and GPipe Figure 4 time breakdown (scalars pipeline/*) to the train run.
 
+--tpu=<name> (train mode; 'local' on a TPU VM) trains under tf.distribute.TPUStrategy with
+--num_replicas replicas of --num_cells cores, cell k on core k of each replica (README, "TPUs";
+not verified on TPU hardware).
+
 --model takes a registered name (`<module under model_params>.<Class>`) or the fully-qualified path
 of a model params class, e.g. `tests.testdata_models.TinyMlp` (imported on demand; run from the
 repository root or put the module's root on PYTHONPATH). `--model_modules` imports modules first so
@@ -79,6 +83,12 @@ _DETERMINISTIC = flags.DEFINE_boolean(
     "Use TensorFlow's deterministic ops: a run resumed after a crash then ends with weights "
     "bit-identical to an uninterrupted run's (may be slower).")
 
+_TPU = flags.DEFINE_string(
+    "tpu", None,
+    "Train on this TPU (its name or grpc:// address; 'local' on a TPU VM) with "
+    "tf.distribute.TPUStrategy: --num_replicas replicas of --num_cells cores, cell k on core k "
+    "of each replica. Not verified on TPU hardware.")
+
 
 class _DropCheckpointTimings(logging.Filter):
     """Drops TensorFlow's INFO line about checkpoint sharding, logged on every save."""
@@ -108,6 +118,7 @@ def _options() -> options_lib.RunOptions:
         model_modules=tuple(_MODEL_MODULES.value),
         deterministic=_DETERMINISTIC.value,
         profile_steps=_PROFILE_STEPS.value,
+        tpu=_TPU.value,
     )
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager
 
 import tensorflow as tf
 
@@ -179,16 +179,22 @@ class BaseLayer(tf.Module):
         name: str,
         params_list: Sequence[hyperparams.InstantiableParams],
         devices: Sequence[str | None] | None = None,
+        scopes: Sequence[Callable[[], ContextManager[Any]]] | None = None,
     ) -> list[BaseLayer]:
         """Instantiates a list of children `<name>_<i>`; theta.<name> is a list.
 
-        `devices[i]`, when given, is the device child i's variables are created on.
+        `devices[i]`, when given, is the device child i's variables are created on;
+        alternatively `scopes[i]()` is the context they are created in (e.g. a
+        TPUStrategy's logical device).
         """
         self._check_new_name(name)
-        devices = devices or [None] * len(params_list)
+        if devices is not None and scopes is not None:
+            raise ValueError(f"{self.path}: CreateChildren takes devices or scopes, not both.")
+        if scopes is None:
+            scopes = [lambda d=d: tf.device(d) for d in devices or [None] * len(params_list)]
         children = []
-        for i, (p, device) in enumerate(zip(params_list, devices)):
-            with tf.device(device):
+        for i, (p, scope) in enumerate(zip(params_list, scopes)):
+            with scope():
                 children.append(self._instantiate_child(f"{name}_{i}", p))
         self._private_children[name] = children
         return children

@@ -22,6 +22,7 @@ from lingvo_lite import (
     warm_start,
 )
 from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import tpu
 
 
 def _train_params() -> hyperparams.Params:
@@ -217,7 +218,7 @@ class BaseTask(base_layer.BaseLayer):
         new_pairs, terms = [], []
         for g, v in pairs:
             if v.shape.rank >= 2:
-                with tf.device(v.device):
+                with tpu.colocated(v):
                     g = g + weight * v
                     terms.append(tf.reduce_sum(tf.square(v)))
             new_pairs.append((g, v))

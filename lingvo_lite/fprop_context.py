@@ -26,6 +26,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_lite.pipeline import tpu
+
 
 class UpdateCollector:
     """Gathers per-call statistics from layers, keyed by layer, in call order."""
@@ -46,14 +48,14 @@ class UpdateCollector:
         """Calls `layer.ApplyUpdates(stats_list)` for every reporting layer."""
         ops = []
         for layer, stats in self._stats.values():
-            with tf.device(_device_of(layer)):
+            with _beside_variables_of(layer):
                 ops.append(layer.ApplyUpdates(stats))
         return ops
 
 
-def _device_of(layer: Any) -> str | None:
+def _beside_variables_of(layer: Any) -> contextlib.AbstractContextManager:
     variables = getattr(layer, "variables", ())
-    return variables[0].device if variables else None
+    return tpu.colocated(variables[0]) if variables else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)

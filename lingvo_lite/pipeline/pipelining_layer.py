@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ContextManager
 
 import tensorflow as tf
 from absl import logging
@@ -37,7 +37,7 @@ from tensorflow.python.eager import context as tf_context
 from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import collectives, micro_batch, partition, placement, schedule
+from lingvo_lite.pipeline import collectives, micro_batch, partition, placement, schedule, tpu
 
 REMAT_MODES = ("always", "except_last", "never")
 # Grappler rewrites that merge a recomputed forward back into the original one
@@ -258,7 +258,9 @@ class PipeliningLayer(base_layer.BaseLayer):
         p.Define(
             "placement", "auto",
             "Devices of the cells: 'auto', 'cpu', 'gpu', 'tpu', 'cluster[:job]' or a "
-            "list of K device names.",
+            "list of K device names. Built inside a tf.distribute.TPUStrategy ('tpu' or "
+            "'auto'), cell k goes on the strategy's logical core k of every replica "
+            "(placement.choose_path).",
         )
         return p
 
@@ -279,14 +281,23 @@ class PipeliningLayer(base_layer.BaseLayer):
                 or p.num_replicas < 1:
             raise ValueError(f"{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1.")
         self._partition = self.ComputePartition(p)
-        self._mesh = placement.resolve_mesh(p.placement, p.num_replicas,
-                                            self._partition.num_cells)
+        num_cells = self._partition.num_cells
+        strategy = tpu.current_tpu_strategy()
+        path = placement.choose_path(p.placement, p.num_replicas, num_cells,
+                                     placement.visible_device_counts(), strategy is not None)
+        # Under a TPUStrategy the strategy replicates and places: cell k on logical core k.
+        self._tpu_strategy = strategy if path == placement.TPU_STRATEGY_PATH else None
+        if self._tpu_strategy is not None:
+            tpu.logical_cores_per_replica(self._tpu_strategy, num_cells)
+            self._mesh = tpu.strategy_mesh(self._tpu_strategy, num_cells)
+        else:
+            self._mesh = placement.resolve_mesh(p.placement, p.num_replicas, num_cells)
         self._devices = self._mesh[0]
         self._active_replica: int | None = None  # Set while FPropAndReplicaGrads runs one.
-        layer_devices = [
-            self._devices[self._partition.cell_of_layer(i)] for i in range(len(p.layers))
-        ]
-        self.CreateChildren("layers", list(p.layers), devices=layer_devices)
+        self.CreateChildren(
+            "layers", list(p.layers),
+            scopes=[lambda k=self._partition.cell_of_layer(i): self._cell_scope(k)
+                    for i in range(len(p.layers))])
         # Replicas 1..R-1 hold copies of the trainable weights on their own devices
         # (non-trainable state, e.g. batch-norm moving statistics, is kept once).
         self._replica_vars = [self._copy_trainable_vars(r) for r in range(1, p.num_replicas)]
@@ -375,8 +386,19 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     @property
     def mesh(self) -> list[list[str]]:
-        """`mesh[r][k]`: the device of cell k of replica r."""
+        """`mesh[r][k]`: the device of cell k of replica r (of the TPUStrategy, if any)."""
         return [list(row) for row in self._mesh]
+
+    @property
+    def tpu_strategy(self) -> tf.distribute.Strategy | None:
+        """The TPUStrategy that replicates and places this pipeline, or None."""
+        return self._tpu_strategy
+
+    def _cell_scope(self, k: int, replica: int = 0) -> ContextManager[Any]:
+        """Where cell k of `replica` creates its variables and runs its ops."""
+        if self._tpu_strategy is not None:
+            return tpu.cell_scope(self._tpu_strategy, k)
+        return tf.device(self._mesh[replica][k])
 
     def _copy_trainable_vars(self, replica: int) -> NestedMap:
         """Replica `replica`'s theta: copies of the trainable weights on its cells' devices."""
@@ -457,7 +479,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             if action.phase is not schedule.Phase.FORWARD:
                 continue
             k, t = action.cell, action.micro_batch
-            with tf.device(self._devices[k]), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
+            with self._cell_scope(k), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
                     fprop_context.fprop_context(example_offset=base_offset + t * micro_size,
                                                 batch_dim=self.params.batch_dim):
                 y = self._cell_fprop(theta, k, boundary.pop((k, t)))
@@ -544,7 +566,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         self, theta: NestedMap, split: tuple[list[Any], int, int], return_input_grads: bool
     ) -> tuple[Any, NestedMap, Any]:
         xs, num_micro, micro_size = split
-        devices = self._mesh[self._active_replica or 0]
+        replica = self._active_replica or 0
         sched = self.make_schedule(num_micro)
         base_offset = fprop_context.current().example_offset
         num_cells = self.num_cells
@@ -565,11 +587,10 @@ class PipeliningLayer(base_layer.BaseLayer):
 
         for action in sched.actions():
             k, t = action.cell, action.micro_batch
-            device = devices[k]
             offset = base_offset + t * micro_size
             if action.phase is schedule.Phase.FORWARD:
                 x = boundary[(k, t)]
-                with tf.device(device), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
+                with self._cell_scope(k, replica), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
                         tf.control_dependencies(last_ops[k]), \
                         fprop_context.fprop_context(example_offset=offset,
                                                     batch_dim=self.params.batch_dim):
@@ -602,7 +623,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             else:
                 upstream = out_grads.pop((k, t))
             x = boundary.pop((k, t))
-            with tf.device(device), tf.name_scope(f"cell_{k}/bprop_mb_{t}"), \
+            with self._cell_scope(k, replica), tf.name_scope(f"cell_{k}/bprop_mb_{t}"), \
                     tf.control_dependencies(last_ops[k]):
                 if (k, t) in taped:
                     tape, x, y = taped.pop((k, t))
@@ -632,7 +653,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                 # B(k-1, t) starts once B(k, t) has finished, weight gradients included:
                 # otherwise the executor may run the input-gradient chain ahead and keep
                 # cell k's activations alive while cell k-1 recomputes its own.
-                with tf.device(device), tf.control_dependencies(
+                with self._cell_scope(k, replica), tf.control_dependencies(
                         [g.values if isinstance(g, tf.IndexedSlices) else g for g in dw]):
                     dx = [tf.identity(g) for g in dx]
                 dx_iter = iter(dx)
@@ -717,6 +738,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     def _replica_steps(self, thetas: list[NestedMap], inputs: Any,
                        shard_size: int) -> tuple[Any, list[NestedMap]]:
         p = self.params
+        if self._tpu_strategy is not None:
+            return self._strategy_replica_step(thetas[0], inputs, shard_size)
         base_offset = fprop_context.current().example_offset
         outputs, grads = [], []
         for r, shard in enumerate(micro_batch.split(inputs, self.num_replicas, p.batch_dim)):
@@ -738,6 +761,60 @@ class PipeliningLayer(base_layer.BaseLayer):
             weights = [tf.constant(1.0)] * self.num_replicas
         return (micro_batch.merge(outputs, p.batch_dim, self._loss_weights(outputs)),
                 self._all_reduce_grads(grads, weights))
+
+    def _strategy_replica_step(self, theta: NestedMap, inputs: Any,
+                               batch_size: int) -> tuple[Any, list[NestedMap]]:
+        """One replica of a TPUStrategy step (inside `strategy.run`) on its own batch.
+
+        The strategy gave each replica `batch_size` examples of the global batch, replica
+        r's starting at r x batch_size (its examples are numbered from there, as in the
+        in-process mesh). Gradients and scalar outputs are then combined over the
+        replicas by the replica context's all-reduce, once per cell on the cell's core,
+        weighted like `_replica_steps`: sum_r w_r g_r / sum_r w_r. Non-scalar outputs
+        stay this replica's.
+        """
+        context = tf.distribute.get_replica_context()
+        offset = (fprop_context.current().example_offset
+                  + context.replica_id_in_sync_group * batch_size)
+        with fprop_context.fprop_context(example_offset=offset):
+            out, grads = self.FPropAndGrads(theta, inputs)
+        weight = self._micro_batch_weight(out)
+        weight = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
+        flat = grads.Flatten()
+        cell_of_leaf = self._cell_of_theta_leaves()
+        sum_ = tf.distribute.ReduceOp.SUM
+        for k in range(self.num_cells):
+            idx = [i for i, g in enumerate(flat) if g is not None and cell_of_leaf[i] == k]
+            if not idx:
+                continue
+            with self._cell_scope(k):
+                *summed, total = context.all_reduce(
+                    sum_, [flat[i] * tf.cast(weight, flat[i].dtype) for i in idx] + [weight])
+                total = tf.maximum(total, 1e-8)
+                for i, g in zip(idx, summed):
+                    flat[i] = g / tf.cast(total, g.dtype)
+        if isinstance(out, NestedMap):
+            out = self._all_reduce_scalars(context, out, weight)
+        return out, [grads.Pack(flat)]
+
+    def _all_reduce_scalars(self, context: tf.distribute.ReplicaContext, out: NestedMap,
+                            weight: tf.Tensor) -> NestedMap:
+        """Scalar float outputs as their weighted mean over the replicas; weights summed."""
+        items = out.FlattenItems()
+        idx = [i for i, (_, v) in enumerate(items)
+               if v is not None and v.shape.rank == 0 and v.dtype.is_floating]
+        if not idx:
+            return out
+        with self._cell_scope(self.num_cells - 1):
+            values = [items[i][1] if items[i][0] in micro_batch.WEIGHT_KEYS
+                      else items[i][1] * tf.cast(weight, items[i][1].dtype) for i in idx]
+            *summed, total = context.all_reduce(tf.distribute.ReduceOp.SUM, values + [weight])
+            total = tf.maximum(total, 1e-8)
+            leaves = [v for _, v in items]
+            for i, v in zip(idx, summed):
+                leaves[i] = v if items[i][0] in micro_batch.WEIGHT_KEYS else v / tf.cast(
+                    total, v.dtype)
+        return out.Pack(leaves)
 
     def _all_reduce_grads(self, grads: list[NestedMap],
                           weights: list[tf.Tensor]) -> list[NestedMap]:

@@ -9,11 +9,69 @@ there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
 PLACEMENTS = ("auto", "cpu", "gpu", "tpu", "cluster")
+# How a PipeliningLayer places its cells (see choose_path).
+DEVICES_PATH = "devices"
+TPU_STRATEGY_PATH = "tpu_strategy"
+
+
+def choose_path(placement: str | Sequence[str], num_replicas: int, num_cells: int,
+                device_counts: Mapping[str, int], tpu_strategy_active: bool) -> str:
+    """How a pipeline of R replicas of K cells is placed: DEVICES_PATH or TPU_STRATEGY_PATH.
+
+    DEVICES_PATH: the layer itself places cell k of replica r on device `mesh[r][k]`
+    (`resolve_mesh`) and sums the replicas' gradients with collective all-reduces; it
+    covers CPUs, GPUs, TF clusters and TPU cores visible to this process.
+    TPU_STRATEGY_PATH: inside a `tf.distribute.TPUStrategy`, the strategy replicates
+    (the layer has one replica per strategy replica) and cell k goes on the strategy's
+    logical core k of every replica.
+
+    Args:
+      placement: the layer's `placement` param.
+      num_replicas: the layer's `num_replicas` param (R).
+      num_cells: K.
+      device_counts: visible logical devices per type, e.g. {'CPU': 8, 'TPU': 0}.
+      tpu_strategy_active: whether the layer is built inside a TPUStrategy.
+
+    Raises:
+      ValueError: a placement that contradicts the active strategy, R > 1 inside a
+        TPUStrategy, or placement 'tpu' with neither a TPUStrategy nor enough TPU cores.
+    """
+    kind = placement.partition(":")[0] if isinstance(placement, str) else None
+    if tpu_strategy_active:
+        if kind not in ("tpu", "auto"):
+            shown = placement if kind else "a list of devices"
+            raise ValueError(
+                f"placement={shown!r} inside a TPUStrategy: the strategy places the cells on "
+                "its TPU cores; use placement='tpu' (or 'auto'), or build the model outside "
+                "strategy.scope().")
+        if num_replicas != 1:
+            raise ValueError(
+                f"num_replicas={num_replicas} inside a TPUStrategy: the strategy replicates the "
+                "pipeline (its num_replicas_in_sync); set num_replicas=1 in the layer and give "
+                "the replicas to the strategy (tpu.create_tpu_strategy(num_replicas, "
+                "num_cells)).")
+        return TPU_STRATEGY_PATH
+    if kind == "tpu" and device_counts.get("TPU", 0) < num_replicas * num_cells:
+        raise ValueError(
+            f"placement='tpu': the pipeline needs num_replicas x num_cells = "
+            f"{num_replicas * num_cells} TPU cores but {device_counts.get('TPU', 0)} are "
+            "visible and no TPUStrategy is active. Build the model under the scope of "
+            "lingvo_lite.pipeline.tpu.create_tpu_strategy(num_replicas, num_cells, tpu=<name>) "
+            "(trainer.py --tpu=<name>), or use placement 'cpu' or 'gpu'.")
+    return DEVICES_PATH
+
+
+def visible_device_counts() -> dict[str, int]:
+    """Logical devices of this process (and connected cluster) per type."""
+    counts: dict[str, int] = {}
+    for d in tf.config.list_logical_devices():
+        counts[d.device_type] = counts.get(d.device_type, 0) + 1
+    return counts
 
 
 def _local_devices(device_type: str) -> list[str]:

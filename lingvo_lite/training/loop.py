@@ -11,6 +11,7 @@ batch size; `write_eval_results` records them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -46,10 +47,12 @@ def eval_subdir(split: str) -> str:
     return f"eval_{split}"
 
 
-def _batch_size(batch: Any) -> int:
-    """Leading dimension of the first tensor of a batch."""
+def _batch_size(batch: Any, strategy: tf.distribute.Strategy | None = None) -> int:
+    """Leading dimension of the first tensor of a batch (summed over a strategy's replicas)."""
     leaves = batch.Flatten() if isinstance(batch, NestedMap) else tf.nest.flatten(batch)
     for leaf in leaves:
+        if strategy is not None and isinstance(leaf, tf.distribute.DistributedValues):
+            return sum(_batch_size(v) for v in strategy.experimental_local_results(leaf))
         if leaf is not None and leaf.shape.rank:
             size = leaf.shape[0]
             return int(size) if size is not None else int(tf.shape(leaf)[0])
@@ -188,8 +191,10 @@ class Trainer:
                  logdir: str, ckpt: checkpointer.Checkpointer, restored_from: str | None,
                  params_text: str, analysis_text: str, eval_spec: EvalSpec | None,
                  out: TextIO, err: TextIO | None = None,
-                 skipped_updates: tf.Variable | None = None) -> None:
+                 skipped_updates: tf.Variable | None = None,
+                 strategy: tf.distribute.Strategy | None = None) -> None:
         self.task = task
+        self._strategy = strategy
         self._iterator = iterator
         self._logdir = logdir
         self._ckpt = ckpt
@@ -210,7 +215,9 @@ class Trainer:
 
         def train_step(batch: NestedMap) -> NestedMap:
             self.trace_count += 1  # Runs only while tracing.
-            return task.TrainStep(batch)
+            if strategy is None:
+                return task.TrainStep(batch)
+            return _replicated_train_step(strategy, task, batch)
 
         self._train_step = compile_step(train_step)
         # Trace now, so model errors surface during setup and the run starts with a ready step.
@@ -221,20 +228,30 @@ class Trainer:
     @classmethod
     def build(cls, *, task_params: hyperparams.InstantiableParams, logdir: str,
               params_text: str, analysis_text: str, eval_spec: EvalSpec | None = None,
-              out: TextIO, err: TextIO | None = None) -> Trainer:
+              out: TextIO, err: TextIO | None = None,
+              strategy: tf.distribute.Strategy | None = None) -> Trainer:
         """Builds task, input, checkpointer (restoring the latest checkpoint) and train step.
 
         Writes nothing: errors raised here leave the log directory untouched.
+
+        With a `strategy` (a TPUStrategy: see pipeline/tpu.py) the task and its variables are
+        built in its scope, each batch of the input is split over its replicas, and every
+        step runs `TrainStep` in each replica (`strategy.run`). The input position is then
+        not checkpointed (a distributed iterator cannot be): a resumed run restarts the input.
         """
         if task_params.input is None:
             raise ValueError("The task params have no train input (p.input is None); a model's "
                              "Model() attaches Train() as p.input.")
         check_train_params(task_params.train)
         dataset = task_params.input.Instantiate().dataset()
-        task = task_params.Instantiate()
-        task.prepare_for_training()
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            task = task_params.Instantiate()
+            task.prepare_for_training()
+            skipped_updates = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                          name="skipped_updates")
+        if strategy is not None:
+            dataset = strategy.experimental_distribute_dataset(dataset)
         iterator = iter(dataset)
-        skipped_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_updates")
         variables = dict(task.checkpoint_variables())
         variables[SKIPPED_UPDATES_KEY] = skipped_updates
 
@@ -242,7 +259,7 @@ class Trainer:
             print(f"trainer.py: warning: {msg}", file=err or out, flush=True)
 
         ckpt = checkpointer.Checkpointer(
-            logdir, variables, iterator,
+            logdir, variables, iterator if strategy is None else None,
             max_to_keep=task.params.train.max_checkpoints_to_keep, warn=warn)
         restored = ckpt.restore_latest()
         task.sync_replicas()  # Data-parallel replicas start from the restored weights.
@@ -255,7 +272,7 @@ class Trainer:
         return cls(task=task, iterator=iterator, first_batch=first_batch,
                    logdir=logdir, ckpt=ckpt, restored_from=restored, params_text=params_text,
                    analysis_text=analysis_text, eval_spec=eval_spec, out=out, err=err,
-                   skipped_updates=skipped_updates)
+                   skipped_updates=skipped_updates, strategy=strategy)
 
     @property
     def global_step(self) -> int:
@@ -323,7 +340,7 @@ class Trainer:
                 else:
                     metrics = self._train_step(batch)
                 step += 1
-                rate.add_examples(_batch_size(batch))
+                rate.add_examples(_batch_size(batch, self._strategy))
                 streak = self._check_finite(metrics, step, streak)
                 if first:
                     # The first call also optimises the graph: keep it out of the rates.
@@ -432,6 +449,20 @@ class Trainer:
             self._print(f"eval {split} @ step {step}: " + _inline(metrics))
             results[split] = metrics
         return results
+
+
+def _replicated_train_step(strategy: tf.distribute.Strategy, task: base_task.BaseTask,
+                           batch: Any) -> NestedMap:
+    """`task.TrainStep` in every replica of `strategy`; the metrics' mean over the replicas.
+
+    The pipeline combines gradients and scalar outputs over the replicas itself (the
+    replica context's all-reduce, PipeliningLayer._strategy_replica_step), so every
+    replica applies the same update and reports the same loss; the mean only turns the
+    per-replica values into one.
+    """
+    per_replica = strategy.run(task.TrainStep, args=(batch,))
+    return NestedMap({key: strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+                      for key, value in per_replica.items()})
 
 
 def _inline(metrics: dict[str, Any]) -> str:

@@ -57,6 +57,9 @@ class RunOptions:
         and its resumption after a crash give bit-identical weights (may be slower).
       profile_steps: 'N,M': capture global steps N..M with the TF profiler and write the
         pipeline's Gantt chart and time breakdown (see `profiling`); '' = off.
+      tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
+        TPUStrategy, cell k on core k of each replica; None = no TPU unless a
+        PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
     """
 
     model: str | None = None
@@ -77,6 +80,7 @@ class RunOptions:
     model_modules: Sequence[str] = ()
     deterministic: bool = False
     profile_steps: str = ""
+    tpu: str | None = None
 
     def validate(self) -> None:
         """Raises UsageError for missing or out-of-range options (no TensorFlow needed)."""
@@ -104,6 +108,9 @@ class RunOptions:
             from lingvo_lite.training import profiling
 
             profiling.parse_profile_steps(self.profile_steps)
+        if self.tpu is not None and self.mode in LOGDIR_MODES and self.mode != "train":
+            raise UsageError(f"--tpu: only --mode=train runs on TPUs, not --mode={self.mode}; "
+                             "drop --tpu to evaluate on CPU or GPU.")
         if self.mode in ("eval", "train_and_eval", "decode") and not list(self.eval_splits):
             raise UsageError(f"--eval_splits is empty; pass e.g. --eval_splits=dev for "
                              f"--mode={self.mode}.")

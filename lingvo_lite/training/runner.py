@@ -15,10 +15,13 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 USER_ERRORS = (ValueError, KeyError, AttributeError, FileNotFoundError)
 Job = Callable[[], int]
@@ -82,6 +85,9 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     eval_splits = {}
     if options.mode in ("eval", "train_and_eval", "decode"):
         eval_splits = {s: config.eval_input_params(s) for s in options.eval_splits}
+    tpu_run = _tpu_run(options, config) if options.mode in TRAIN_MODES else None
+    if tpu_run is not None:
+        return _prepare_tpu_train(options, config, tpu_run, out, err)
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
     cluster = None
     if options.mode in TRAIN_MODES:
@@ -126,6 +132,68 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
                                                            eval_splits, out, err))
     return _locked(logdir, err, lambda: _prepare_train(options, config, logdir, eval_splits,
                                                        out, err))
+
+
+def _tpu_run(options: RunOptions, config: model_config.ModelConfig
+             ) -> tuple[int, int, str] | None:
+    """(R, K, what asked for it) when this run trains on TPUs, else None.
+
+    A run trains on TPUs with --tpu, or when a PipeliningLayer has placement='tpu'.
+    """
+    pipelines = list(model_config.iter_pipelining_params(config.task_params))
+    on_tpu = [path for path, pp in pipelines if pp.placement == "tpu"]
+    if options.tpu is None and not on_tpu:
+        return None
+    source = (f"--tpu={options.tpu}" if options.tpu is not None
+              else f"PipeliningLayer '{on_tpu[0]}' has placement='tpu'")
+    if not pipelines:
+        raise UsageError(f"{source}: model {options.model} has no PipeliningLayer to place on "
+                         "TPU cores; drop --tpu.")
+    if options.mode != "train":
+        raise UsageError(
+            f"{source}: only --mode=train runs on TPUs; train with --mode=train, then "
+            "evaluate the checkpoints with --mode=eval and placement 'cpu' or 'gpu'.")
+    replicas = sorted({pp.num_replicas for _, pp in pipelines})
+    if len(replicas) > 1:
+        raise UsageError(
+            f"{source}: the PipeliningLayers ask for different num_replicas {replicas}, but "
+            "one TPUStrategy replicates the whole step; set one value with --num_replicas.")
+    return replicas[0], max(pp.num_cells for _, pp in pipelines), source
+
+
+def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
+                       tpu_run: tuple[int, int, str], out: TextIO, err: TextIO) -> Job:
+    """Setup of --mode=train on a TPU: a TPUStrategy of R replicas of K cores, then the task.
+
+    The strategy is made before any variable: the task is built in its scope and each of its
+    R replicas runs a one-replica pipeline (cell k on the replica's logical core k); the
+    pipeline sums the gradients over the replicas with the replica context's all-reduce.
+    Not verified on TPU hardware (see README, "TPUs").
+    """
+    from lingvo_lite import devices
+
+    devices.configure_logical_cpus(options.num_logical_cpus or 1, options.intra_op_threads,
+                                   options.inter_op_threads)
+    import tensorflow as tf
+
+    from lingvo_lite.pipeline import tpu
+
+    num_replicas, num_cells, source = tpu_run
+    try:
+        strategy = tpu.create_tpu_strategy(num_replicas, num_cells, options.tpu or "")
+    except ValueError as e:
+        raise UsageError(f"{source}: {e}") from None
+    model_config.set_pipeline_fields(config.task_params, num_replicas=1, placement="tpu")
+    if options.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    if options.seed is not None:
+        tf.random.set_seed(options.seed)
+    logdir = options.abs_logdir
+    print(f"Model {config.name}, mode train, TPUStrategy of {num_replicas} replica(s) x "
+          f"{num_cells} core(s).\nLogdir: {logdir}\nWatch it with: tensorboard --logdir "
+          f"{logdir}", file=out, flush=True)
+    return _locked(logdir, err, lambda: _prepare_train(options, config, logdir, {}, out, err,
+                                                       strategy=strategy))
 
 
 def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_cpus: int,
@@ -245,7 +313,8 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
 
 
 def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir: str,
-                   eval_splits: dict, out: TextIO, err: TextIO) -> Job:
+                   eval_splits: dict, out: TextIO, err: TextIO,
+                   strategy: tf.distribute.Strategy | None = None) -> Job:
     """Setup of train / train_and_eval (under the logdir lock)."""
     from lingvo_lite.training import analysis, checkpointer, loop
 
@@ -266,7 +335,7 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
     trainer = loop.Trainer.build(
         task_params=task_params, logdir=logdir, params_text=task_params.ToText(),
         analysis_text=analysis.describe_model(config.name, task_params),
-        eval_spec=eval_spec, out=out, err=err)
+        eval_spec=eval_spec, out=out, err=err, strategy=strategy)
     if options.profile_steps:
         from lingvo_lite.training import profiling
 
