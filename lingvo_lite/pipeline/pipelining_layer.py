@@ -674,7 +674,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             cell_of_leaf = self._cell_of_theta_leaves()
             for i, g in enumerate(grads):
                 if g is not None:
-                    with tf.device(devices[cell_of_leaf[i]]):
+                    with self._cell_scope(cell_of_leaf[i], replica):
                         grads[i] = g / tf.cast(total, g.dtype)
         merged = micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
         dinputs = None
