@@ -543,6 +543,11 @@ def render(results: dict) -> str:
                          f"{max(busy) / (sum(busy) / 2):.2f} |")
         lines += ["", f"Reproduce: `{part['command']}`", ""]
 
+    # 8. Scale-out.
+    import scaleout
+
+    lines += scaleout.render(results)
+
     # Summary first.
     summary = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     for name, value, ok in verdicts:

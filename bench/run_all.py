@@ -1,4 +1,4 @@
-"""Runs every benchmark figure of issue 6 and rewrites BENCHMARKS.md.
+"""Runs every benchmark figure (issues 6 and 13) and rewrites BENCHMARKS.md.
 
     python bench/run_all.py            # the recorded run (~15-25 min on 2 cores)
     python bench/run_all.py --quick    # smaller shapes, fewer T and rounds (~5 min)
@@ -101,6 +101,10 @@ def run(quick: bool) -> dict:
     results["memory"] = run_worker("memory", PIPE_THREADS, bfc=True, micro_batches=ts)
     results["fits"] = run_worker("fits", PIPE_THREADS, bfc=True, budget_mib=48)
     results["partition"] = run_worker("partition", PIPE_THREADS)
+    results["data_parallel"] = run_worker("data_parallel", PIPE_THREADS, model="transformer",
+                                          **common)
+    results["cross_process"] = run_worker("cross_process", PIPE_THREADS, model="transformer",
+                                          **common)
     results["machine"]["load_end"] = os.getloadavg()
     results["finished"] = time.time()
     return results

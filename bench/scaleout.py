@@ -90,8 +90,10 @@ def data_parallel(model: str, quick: bool, rounds: int, iters: int,
             _pipe(layers2, shapes2, 1, 2, num_micro_batches, "cpu", True)), batch2),
     }
     samples = bench_lib.interleaved(steps, rounds, iters)
+    weights = sum(v.shape.num_elements() * v.dtype.size
+                  for v in bench_lib.make_pipeline(layers, shapes, 1, 1, "never").vars.Flatten())
     return {"model": model, "per_replica_batch": _batch_size(batch),
-            "times": _summary(samples)}
+            "weight_bytes": weights, "times": _summary(samples)}
 
 
 def _batch_size(batch) -> int:
@@ -266,6 +268,101 @@ def _boundary_bytes(layers, shapes, boundary: int, batch) -> tuple[int, int]:
         total += shape.num_elements() * dtype.size
         floats += shape.num_elements() * dtype.size if dtype.is_floating else 0
     return total, floats
+
+
+# ---------------------------------------------------------------------------------------------
+# BENCHMARKS.md section.
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def render(results: dict) -> list[str]:
+    """Section 8 of BENCHMARKS.md from the `data_parallel` and `cross_process` results."""
+    lines = ["## 8. Scale-out: data-parallel replicas, and crossing a process boundary", ""]
+    dp = results.get("data_parallel")
+    if dp and "times" in dp:
+        t = dp["times"]
+        b = dp["per_replica_batch"]
+        one, two = t["R1_K1"]["median_s"], t["R2_K1"]["median_s"]
+        pipe_name = next(n for n in t if n.startswith("R1_K2"))
+        pipe = t[pipe_name]["median_s"]
+        micro = pipe_name.split("_T")[1]
+        lines += [
+            "### 8a. Data-parallel scaling on serial logical devices (transformer)", "",
+            "Each device runs one op at a time (`serial_devices=True`, intra-op 1): two "
+            "devices stand in for two accelerators on this machine's two cores. Weak scaling: "
+            f"every replica keeps {b} sequences; R=2 trains {2 * b} per step, its gradients "
+            "summed by one collective all-reduce per cell.", "",
+            "| config | devices | global batch | median step | sequences/s | vs R=1 |",
+            "|---|---|---|---|---|---|",
+            f"| R=1, K=1 | 1 | {b} | {_ms(one)} | {b / one:.1f} | 1.00x |",
+            f"| R=2, K=1 | 2 | {2 * b} | {_ms(two)} | {2 * b / two:.1f} | "
+            f"{2 * one / two:.2f}x (ideal 2.00x) |",
+            f"| R=1, K=2, T={micro} (pipeline, same devices and batch) | 2 | {2 * b} | "
+            f"{_ms(pipe)} | {2 * b / pipe:.1f} | {2 * one / pipe:.2f}x |", "",
+            f"Scaling efficiency of R=2: {one / two:.0%} of ideal. On the same two devices "
+            f"and global batch, data parallelism is {pipe / two:.2f}x the pipeline's "
+            f"throughput for this model, whose weights ({_mib(dp['weight_bytes'])}) fit one "
+            "device: GPipe's "
+            "pipeline is for the models that do not, and R x K combines the two.", "",
+            f"Reproduce: `{dp['command']}`", ""]
+    elif dp:
+        lines += ["8a (data_parallel) failed: " + str(dp.get("error", "no result")), ""]
+    cp = results.get("cross_process")
+    if cp and "times" in cp:
+        t = cp["times"]
+        micro = cp["num_micro_batches"]
+        rows = [("pipeline", f"R=1, K=2, T={micro}", 2 * micro),
+                ("replicas", "R=2, K=1", None)]
+        lines += [
+            "### 8b. Crossing a process boundary over loopback gRPC", "",
+            "A second process on 127.0.0.1 serves one CPU device through TensorFlow's gRPC "
+            "runtime (what `trainer.py` does from `TF_CONFIG`). The same step runs with cell "
+            "1 (or replica 1) there, and with it on a second device of this process; timed "
+            "side by side. Bytes are what the kernel counted on the second process's TCP "
+            f"connections (`ss -ti`) over {cp['byte_steps']} steps, next to the bytes of the "
+            "tensors that must cross.", "",
+            "| layout | one process | two processes | extra per step | per crossing |",
+            "|---|---|---|---|---|"]
+        for key, label, crossings in rows:
+            a = t[f"{key}_one_process"]["median_s"]
+            c = t[f"{key}_two_processes"]["median_s"]
+            per = f"{(c - a) / crossings * 1e3:.1f} ms ({crossings} boundary crossings)" \
+                if crossings else "-"
+            lines.append(f"| {label} | {_ms(a)} | {_ms(c)} ({c / a:.2f}x) | "
+                         f"{(c - a) * 1e3:+.0f} ms | {per} |")
+        lines += ["", "| layout | direction | measured per step | tensors that must cross | "
+                  "measured / tensors |", "|---|---|---|---|---|"]
+        for key, label, _ in rows:
+            name = f"{key}_two_processes"
+            measured = cp.get("bytes_measured", {}).get(name)
+            analytic = cp["bytes_analytic"][name]
+            for direction, text in (("to_other_process", "to process 2"),
+                                    ("from_other_process", "from process 2")):
+                want = analytic[direction]
+                got = measured[direction] if measured else None
+                lines.append(f"| {label} | {text} | {_mib(got) if got else 'not measured'} | "
+                             f"{_mib(want)} | {got / want:.2f}x |" if got else
+                             f"| {label} | {text} | not measured (no `ss`) | {_mib(want)} | - |")
+        lines += ["", "Tensors that must cross: " + "; ".join(
+            f"{label}: {cp['bytes_analytic'][f'{key}_two_processes']['what']}"
+            for key, label, _ in rows) + f". Gradients: {_mib(cp['gradient_bytes'])}.", "",
+            "What is above the tensors is gRPC framing and the runtime's per-step requests "
+            "(the step is launched on the remote task, each transfer is one RecvTensor call); "
+            "it grows with the number of transfers, i.e. with T. This figure found a bug "
+            "(fixed): a gradient division without a device put cell 1's weight gradients on "
+            "the default device, so they crossed to process 1 and back every step (4x the "
+            "tensors' bytes, measured, before the fix).", "",
+            f"Reproduce: `{cp['command']}`", ""]
+    elif cp:
+        lines += ["8b (cross_process) failed: " + str(cp.get("error", "no result")), ""]
+    return lines
 
 
 def main() -> None:
