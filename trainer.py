@@ -14,6 +14,10 @@ Modes:
   inspect_params  print the task and input params (the format --*_params_override accepts).
   inspect_model   per-layer shapes, params, flops and the pipeline partition, without
                   allocating any weight (add --inspect_num_cells=2,4,8 to compare K).
+  check_equivalence  one train batch through the pipelined model (K, T, remat, schedule as
+                  configured) and through the same layers unpipelined on one device: loss and
+                  per-variable gradient differences, worst first; exit status 1 if one exceeds
+                  --equivalence_tolerance. Needs no --logdir and writes nothing.
 
 --profile_steps=N,M (train modes) captures global steps N..M with the TensorFlow profiler into
 <logdir>/train (TensorBoard's profile tab) and writes the pipeline's Gantt chart (image
@@ -83,6 +87,11 @@ _DETERMINISTIC = flags.DEFINE_boolean(
     "Use TensorFlow's deterministic ops: a run resumed after a crash then ends with weights "
     "bit-identical to an uninterrupted run's (may be slower).")
 
+_EQUIVALENCE_TOLERANCE = flags.DEFINE_float(
+    "equivalence_tolerance", None,
+    "check_equivalence: the largest accepted relative difference of the loss and of each "
+    "gradient (default 1e-4).")
+
 _TPU = flags.DEFINE_string(
     "tpu", None,
     "Train on this TPU (its name or grpc:// address; 'local' on a TPU VM) with "
@@ -119,6 +128,7 @@ def _options() -> options_lib.RunOptions:
         deterministic=_DETERMINISTIC.value,
         profile_steps=_PROFILE_STEPS.value,
         tpu=_TPU.value,
+        equivalence_tolerance=_EQUIVALENCE_TOLERANCE.value,
     )
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 
 MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_params",
-         "inspect_model")
+         "inspect_model", "check_equivalence")
 TRAIN_MODES = ("train", "train_and_eval")
 LOGDIR_MODES = ("train", "eval", "train_and_eval", "decode")
 
@@ -57,6 +57,9 @@ class RunOptions:
         and its resumption after a crash give bit-identical weights (may be slower).
       profile_steps: 'N,M': capture global steps N..M with the TF profiler and write the
         pipeline's Gantt chart and time breakdown (see `profiling`); '' = off.
+      equivalence_tolerance: check_equivalence fails when the loss or a gradient differs by
+        more than this (relative; see `equivalence.relative_difference`); None =
+        `equivalence.DEFAULT_TOLERANCE`.
       tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
         TPUStrategy, cell k on core k of each replica; None = no TPU unless a
         PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
@@ -81,6 +84,7 @@ class RunOptions:
     deterministic: bool = False
     profile_steps: str = ""
     tpu: str | None = None
+    equivalence_tolerance: float | None = None
 
     def validate(self) -> None:
         """Raises UsageError for missing or out-of-range options (no TensorFlow needed)."""
@@ -104,6 +108,10 @@ class RunOptions:
                 raise UsageError(
                     f"--inspect_num_cells: {k!r} is not an int >= 1; pass e.g. "
                     "--inspect_num_cells=2,4,8.")
+        tol = self.equivalence_tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
+                                or not tol > 0):
+            raise UsageError(f"--equivalence_tolerance={tol!r} must be a number > 0, e.g. 1e-4.")
         if self.profile_steps:
             from lingvo_lite.training import profiling
 

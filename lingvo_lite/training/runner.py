@@ -76,7 +76,48 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
 
         return _printer(analysis.describe_model(
             config.name, config.task_params, list(options.inspect_num_cells)), out)
+    if options.mode == "check_equivalence":
+        return _prepare_check_equivalence(options, config, out, err)
     return _prepare_run(options, config, out, err)
+
+
+def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelConfig,
+                               out: TextIO, err: TextIO) -> Job:
+    """Setup of check_equivalence: devices, the task with fresh weights, one train batch."""
+    if not list(model_config.iter_pipelining_params(config.task_params)):
+        raise UsageError(
+            f"--mode=check_equivalence: model {config.name} has no PipeliningLayer, so there is "
+            "no pipeline to compare with the unpipelined model.")
+    from lingvo_lite import devices
+
+    num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
+    devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
+    import tensorflow as tf
+
+    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.training import equivalence
+
+    if options.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    if options.seed is not None:
+        tf.random.set_seed(options.seed)
+    task = config.task_params.Instantiate()
+    batch = NestedMap(next(iter(config.train_input_params.Instantiate().dataset())))
+    tolerance = options.equivalence_tolerance or equivalence.DEFAULT_TOLERANCE
+    print(f"Model {config.name}, mode check_equivalence, {num_cpus} logical CPU device(s).",
+          file=out, flush=True)
+
+    def job() -> int:
+        report = equivalence.check_equivalence(task, batch, tolerance=tolerance)
+        out.write(report.format())
+        out.flush()
+        if report.passed:
+            return 0
+        print(f"trainer.py: error: check_equivalence failed: "
+              f"{report.verdict().removeprefix('FAIL: ')}", file=err, flush=True)
+        return 1
+
+    return job
 
 
 def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: TextIO,
