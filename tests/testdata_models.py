@@ -19,11 +19,12 @@ import tensorflow as tf
 from lingvo_lite import (
     base_input_generator,
     base_layer,
+    fprop_context,
     hyperparams,
     model_registry,
     pipelined_task,
 )
-from lingvo_lite.layers import dense, losses
+from lingvo_lite.layers import dense, dropout, losses
 from lingvo_lite.nested_map import NestedMap
 
 INPUT_DIM = 8
@@ -165,3 +166,41 @@ class TinyMlpNoDev(TinyMlp):
 
     def Dev(self) -> hyperparams.Params:
         return model_registry.SingleTaskModelParams.Dev(self)
+
+
+class MicroBatchDropout(base_layer.BaseLayer):
+    """A deliberately broken dropout on `inputs.x`: its mask ignores the example's offset.
+
+    Every micro-batch draws the mask of the mini-batch's first examples, so the pipelined model
+    (T > 1) is not the unpipelined one; check_equivalence must catch it.
+    """
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:
+        p = super().Params()
+        p.Define("keep_prob", 0.5, "Probability of keeping an element.")
+        return p
+
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
+        ctx = fprop_context.current()
+        if not ctx.training:
+            return inputs
+        x = dropout.dropout(inputs.x, self.params.keep_prob, seed=(5, 6),
+                            step_seed=ctx.step_seed, example_offset=0)  # The bug.
+        return NestedMap(x=x, labels=inputs.labels)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
+        return base_layer.fprop_meta(0.0, inputs)
+
+
+@model_registry.register
+class TinyMlpBrokenDropout(TinyMlp):
+    """TinyMlp with MicroBatchDropout after its first layer (check_equivalence must fail)."""
+
+    def Task(self) -> hyperparams.InstantiableParams:
+        p = super().Task()
+        layers = list(p.network.layers)
+        p.network.layers = layers[:1] + [MicroBatchDropout.Params().Set(name="bad_drop")] + \
+            layers[1:]
+        return p

@@ -47,10 +47,11 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
 # float32 gradients of the same model summed in another order (per micro-batch, per cell) differ
-# in the last bits; normalised by the variable's largest gradient this measured at most ~1e-6 on
-# the registered models (README, "Checking a pipeline"). A real bug (a mask that depends on the
-# micro-batch, statistics over the wrong examples) gives differences of 1e-2 or more.
-DEFAULT_TOLERANCE = 1e-4
+# in the last bits: on every registered model (shrunk, K=2/T=2 and K=4/T=4) the largest measured
+# difference was 2e-6, except 7.2e-5 where batch norm normalises 2-example micro-batches of 2x2
+# maps (tiny variances amplify rounding). A real bug (a mask that depends on the micro-batch)
+# gave 0.65. 1e-3 sits well between the two.
+DEFAULT_TOLERANCE = 1e-3
 # A variable's gradient is compared at no finer scale than this fraction of the largest gradient
 # element of the model: gradients that are analytically zero (attention key biases, which softmax
 # ignores) come out as ~1e-10 of rounding noise, which no finer scale can tell from a bug.

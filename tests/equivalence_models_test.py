@@ -1,0 +1,83 @@
+"""check_equivalence passes on every registered image model at two (K, T) settings.
+
+To keep each file under a minute, half the image models are checked here and half in
+equivalence_image_models_test.py, the translation models in equivalence_mt_models_test.py (both
+use this file's helpers).
+
+The small models (image.AmoebaNetDigits, mt.TransformerSmall) run as registered. GPipe's ImageNet
+AmoebaNets and T(L, H, A) Transformers are far too large for a CPU test and their data
+(imagenet2012, the user's ~/mt_data) is not here, so each is checked as a subclass that keeps its
+architecture (variant, stem, aux head, dropout and drop-path rates, label smoothing, shared
+embeddings) and shrinks only sizes and data: 80x80 digits as 3-channel images, F=8, L=1 for the
+AmoebaNets; the generated en-de corpus, model dim 16 and L <= 2 for the Transformers.
+Both sides run eagerly (`use_tf_function=False`) to skip tracing; tests/equivalence_test.py runs
+the traced path through trainer.py.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from absl.testing import parameterized
+
+from lingvo_lite import model_registry
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.training import equivalence, model_config
+from model_params import image, mt  # noqa: F401 (registers the models)
+from tasks.image import input_generator
+
+SETTINGS = ((2, 2), (4, 4))
+
+
+def _small(name: str) -> model_registry.SingleTaskModelParams:
+    cls = model_registry.get_class(name)
+    if issubclass(cls, image._AmoebaNetImageNet):
+        class Small(cls):
+            FILTERS, NUM_NORMAL_CELLS, IMAGE_SIZE, BATCH_SIZE = 8, 1, 80, 8
+
+            def Train(self):  # noqa: N802
+                return input_generator.DigitsInput.Params().Set(
+                    name="digits_train", split="train", image_size=self.IMAGE_SIZE,
+                    num_channels=3, batch_size=self.BATCH_SIZE)
+        return Small()
+    if issubclass(cls, mt._GPipeTransformer):
+        class Small(cls):
+            NUM_LAYERS, HIDDEN_DIM, NUM_HEADS, MODEL_DIM = 2, 32, 2, 16
+            VOCAB_SIZE, MAX_LENGTH, BATCH_SIZE = 512, 18, 16
+
+            def Train(self):  # noqa: N802
+                return super().Train().Set(data_dir=mt.TransformerSmall.DATA_DIR,
+                                           generate="en_de_numbers")
+        return Small()
+    return cls()
+
+
+def registered(prefix: str) -> list[str]:
+    return sorted(n for n in model_registry.list_models() if n.startswith(prefix))
+
+
+class CheckAllSettings:
+
+    def check_all_settings(self, name: str) -> None:
+        model = _small(name)
+        for num_cells, num_micro_batches in SETTINGS:
+            task_p = model.Model()
+            model_config.set_pipeline_fields(task_p, num_cells=num_cells,
+                                             num_micro_batches=num_micro_batches)
+            task = task_p.Instantiate()
+            batch = NestedMap(next(iter(task_p.input.Instantiate().dataset())))
+            report = equivalence.check_equivalence(task, batch, use_tf_function=False)
+            with self.subTest(num_cells=num_cells, num_micro_batches=num_micro_batches):
+                print(f"{name} K={num_cells} T={num_micro_batches}: loss "
+                      f"{report.loss_rel_diff:.1e}, worst gradient "
+                      f"{report.worst.max_rel_diff:.1e} ({report.worst.name})")
+                self.assertTrue(report.passed, report.format())
+                self.assertEqual(report.pipelines[0].num_cells, num_cells)
+                self.assertEqual(report.pipelines[0].num_micro_batches, num_micro_batches)
+                self.assertGreater(len(report.variables), 10)
+
+
+class RegisteredImageModelsTest(tf.test.TestCase, parameterized.TestCase, CheckAllSettings):
+
+    @parameterized.parameters(*registered("image.")[:4])
+    def test_passes_at_two_settings(self, name: str) -> None:
+        self.check_all_settings(name)

@@ -1,0 +1,17 @@
+"""check_equivalence passes on every registered translation model at two (K, T) settings.
+
+See equivalence_models_test.py for how GPipe's T(L, H, A) models are shrunk.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from absl.testing import parameterized
+from equivalence_models_test import CheckAllSettings, registered
+
+
+class RegisteredMtModelsTest(tf.test.TestCase, parameterized.TestCase, CheckAllSettings):
+
+    @parameterized.parameters(*registered("mt."))
+    def test_passes_at_two_settings(self, name: str) -> None:
+        self.check_all_settings(name)

@@ -1,0 +1,121 @@
+"""check_equivalence: verdicts, the useful failure message, and the numbers it reports.
+
+The broken model is testdata_models.TinyMlpBrokenDropout, whose dropout ignores the example's
+offset (each micro-batch reuses the first micro-batch's mask). Its reported differences are
+checked against an independent computation: the pipeline's own FPropAndGrads and a plain tape
+over the layers, compared in numpy. The registered models are checked in
+equivalence_models_test.py, equivalence_image_models_test.py and equivalence_mt_models_test.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+import testdata_models
+
+from lingvo_lite import fprop_context
+from lingvo_lite.layers import composite
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.training import equivalence, model_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"),
+                             "--mode=check_equivalence", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _task_and_batch(model, num_cells: int, num_micro_batches: int):
+    task_p = model.Model()
+    model_config.set_pipeline_fields(task_p, num_cells=num_cells,
+                                     num_micro_batches=num_micro_batches)
+    batch = NestedMap(next(iter(task_p.input.Instantiate().dataset())))
+    return task_p.Instantiate(), batch
+
+
+class EquivalenceTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # Both trainer.py runs start now and overlap with the in-process tests.
+        cls.good = _launch("--model=tests.testdata_models.TinyMlp", "--num_cells=2",
+                           "--num_micro_batches=4")
+        cls.broken = _launch("--model=tests.testdata_models.TinyMlpBrokenDropout")
+
+    def test_cli_passes_on_a_correct_model(self) -> None:
+        stdout, stderr = self.good.communicate(timeout=300)
+        self.assertEqual(self.good.returncode, 0, stderr)
+        self.assertIn("K=2 cells, T=4 micro-batches", stdout)
+        self.assertIn("on the whole batch at once", stdout)
+        self.assertIn("tolerance 1e-03", stdout)
+        self.assertTrue(stdout.rstrip().splitlines()[-1].startswith("PASS:"), stdout)
+
+    def test_cli_fails_on_a_broken_layer_with_one_useful_line(self) -> None:
+        stdout, stderr = self.broken.communicate(timeout=300)
+        self.assertEqual(self.broken.returncode, 1, stdout)
+        errors = [line for line in stderr.splitlines() if line.startswith("trainer.py: error:")]
+        self.assertLen(errors, 1, stderr)
+        self.assertNotIn("Traceback", stderr)
+        self.assertIn("check_equivalence failed", errors[0])
+        self.assertIn("network.layers[", errors[0])
+        self.assertIn("cell ", errors[0])
+        self.assertIn("not keyed on the example's position", errors[0])
+        self.assertTrue(stdout.rstrip().splitlines()[-1].startswith("FAIL:"), stdout)
+
+    def test_broken_layer_passes_at_one_micro_batch(self) -> None:
+        # With T=1 the broken mask is the right one: the failure is the micro-batching.
+        task, batch = _task_and_batch(testdata_models.TinyMlpBrokenDropout(), 2, 1)
+        self.assertTrue(equivalence.check_equivalence(task, batch, use_tf_function=False).passed)
+
+    def test_reported_numbers_match_an_independent_computation(self) -> None:
+        task, batch = _task_and_batch(testdata_models.TinyMlpBrokenDropout(), 2, 2)
+        report = equivalence.check_equivalence(task, batch, use_tf_function=False)
+        self.assertFalse(report.passed)
+
+        net, inputs = task.network, task.NetworkInputs(batch)
+        with fprop_context.fprop_context(training=True, step_seed=1,
+                                         updates=fprop_context.UpdateCollector()):
+            out, grads = net.FPropAndGrads(net.theta, inputs)
+        with fprop_context.fprop_context(training=True, step_seed=1), \
+                tf.GradientTape() as tape:
+            ref_out = composite.chain_fprop(net.layers, net.theta.layers, inputs)
+        names = [name for name, _ in net.theta.FlattenItems()]
+        ref_grads = tape.gradient(ref_out.loss, net.theta.Flatten())
+        pipe = {f"network.{n}": g.numpy() for n, g in zip(names, grads.Flatten())}
+        ref = {f"network.{n}": g.numpy() for n, g in zip(names, ref_grads)}
+        floor = 1e-3 * max(np.abs(g).max() for g in ref.values())
+
+        self.assertAllClose(float(ref_out.loss), report.reference_loss, rtol=1e-6)
+        self.assertAllClose(float(out.loss), report.loss, rtol=1e-6)
+        self.assertEqual(sorted(ref), sorted(v.name for v in report.variables))
+        for v in report.variables:
+            diff = np.abs(pipe[v.name].astype(np.float64) - ref[v.name]).max()
+            expected = diff / max(np.abs(ref[v.name]).max(), floor)
+            self.assertAllClose(expected, v.max_rel_diff, rtol=1e-4, atol=1e-9, msg=v.name)
+        self.assertEqual(report.worst.max_rel_diff, max(v.max_rel_diff for v in report.variables))
+        self.assertGreater(report.worst.max_rel_diff, 1e-2)  # A real bug is far above rounding.
+        self.assertIn(report.worst.name, report.verdict())
+
+    def test_relative_difference_of_a_known_perturbation(self) -> None:
+        reference = np.random.default_rng(0).normal(size=(5, 7))
+        perturbed = reference.copy()
+        perturbed[2, 3] += 0.01
+        scale = np.abs(reference).max()
+        self.assertAllClose(0.01 / scale, equivalence.relative_difference(perturbed, reference))
+        # A zero reference gradient is compared at the floor's scale; 0 vs 0 is 0.
+        self.assertAllClose(0.5, equivalence.relative_difference([1e-3], [0.0], floor=2e-3))
+        self.assertEqual(0.0, equivalence.relative_difference([0.0], [0.0]))
+
+    def test_model_without_pipeline_is_a_clear_error(self) -> None:
+        task_p = testdata_models.TinyMlp().Model()
+        task = task_p.Instantiate()
+        with self.assertRaisesRegex(ValueError, "no PipeliningLayer"):
+            equivalence.check_equivalence(task.network.layers[0], NestedMap())
