@@ -44,8 +44,9 @@ def _main(**kwargs) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def _launch(*args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+def _launch(*args: str, stderr=subprocess.PIPE, extra_env: dict | None = None
+            ) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {}))
     return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
@@ -195,6 +196,107 @@ class ExactResumeTest(tf.test.TestCase):
 
 
 # ---------------------------------------------------------------------------------------------
+# 1b. SIGINT / SIGTERM at chosen moments (issue 17.1, 17.2). The trainer signals itself at an
+#     exact point through its test-only hook (interrupts.TEST_SIGNAL_ENV).
+
+SIGNAL_STEPS = 10
+SIGNAL_ARGS = [f"--model={CLI_NOISY}", "--deterministic", f"--max_steps={SIGNAL_STEPS}",
+               "--model_params_override=" + _train_overrides(
+                   log_interval_steps=1, summary_interval_steps=1, save_interval_steps=4,
+                   max_checkpoints_to_keep=3)]
+
+
+@pytest.mark.slow
+class StopSignalTest(tf.test.TestCase):
+    """Each victim is signalled right after fetching the batch of step 7 (ckpt-4 is the last
+    periodic save), then resumed; the result must equal an uninterrupted run's."""
+
+    VICTIMS = {
+        "sigint": "fetched:7=SIGINT",
+        "sigterm": "fetched:7=SIGTERM",
+        # A second signal while the checkpoint of the first is being written.
+        "second_signal": "fetched:7=SIGINT,saving:7=SIGTERM",
+    }
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls.root = tempfile.mkdtemp(prefix="reliability_signal_")
+        cls.full = os.path.join(cls.root, "full")
+        procs = {"full": _launch(*SIGNAL_ARGS, f"--logdir={cls.full}")}
+        for name, spec in cls.VICTIMS.items():
+            procs[name] = _launch(*SIGNAL_ARGS, f"--logdir={os.path.join(cls.root, name)}",
+                                  extra_env={"LINGVO_LITE_TEST_SIGNAL_AT": spec})
+        procs["setup"] = _launch(*SIGNAL_ARGS, f"--logdir={os.path.join(cls.root, 'setup')}",
+                                 extra_env={"LINGVO_LITE_TEST_SIGNAL_AT": "setup=SIGTERM"})
+        cls.stopped = cls._wait(procs)
+        cls.resumed = cls._wait({name: _launch(*SIGNAL_ARGS,
+                                               f"--logdir={os.path.join(cls.root, name)}")
+                                 for name in cls.VICTIMS})
+
+    @staticmethod
+    def _wait(procs: dict) -> dict[str, tuple[int, str, str]]:
+        results = {}
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            results[name] = (proc.returncode, out, err)
+        return results
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        shutil.rmtree(cls.root, ignore_errors=True)
+        super().tearDownClass()
+
+    def _check_stopped(self, name: str, signum: int) -> str:
+        status, out, err = self.stopped[name]
+        logdir = os.path.join(self.root, name)
+        self.assertEqual(status, 128 + signum, out + err)
+        self.assertNotIn("Traceback", out + err)
+        sig = signal.Signals(signum).name
+        self.assertIn(f"Interrupted by {sig} at step 7; checkpoint saved.", out)
+        # The checkpoint pairs the weights of step 7 with the input position after batch 7.
+        self.assertIsNone(checkpointer.find_damage(_ckpt(logdir, 7)))
+        self.assertEqual(_step_of(_ckpt(logdir, 7)), 7)
+        self.assertFalse(os.path.exists(os.path.join(logdir, logdir_lock.LOCK_FILE)))
+        return logdir
+
+    def _check_resumed_exactly(self, name: str) -> None:
+        status, out, err = self.resumed[name]
+        logdir = os.path.join(self.root, name)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 7)} (global step 7)", out)
+        full_status, _, full_err = self.stopped["full"]
+        self.assertEqual(full_status, 0, full_err)
+        _assert_bit_identical(self, _ckpt_values(_ckpt(logdir, SIGNAL_STEPS)),
+                              _ckpt_values(_ckpt(self.full, SIGNAL_STEPS)))
+
+    def test_sigint_between_fetch_and_step_resumes_exactly(self) -> None:
+        self._check_stopped("sigint", signal.SIGINT)
+        self._check_resumed_exactly("sigint")
+
+    def test_sigterm_saves_releases_the_lock_and_resumes_exactly(self) -> None:
+        self._check_stopped("sigterm", signal.SIGTERM)
+        self._check_resumed_exactly("sigterm")
+
+    def test_sigterm_during_setup_releases_the_lock(self) -> None:
+        status, out, err = self.stopped["setup"]
+        self.assertEqual(status, 128 + signal.SIGTERM, out + err)
+        self.assertNotIn("Traceback", out + err)
+        self.assertIn("trainer.py: interrupted by SIGTERM during setup; nothing was saved.", err)
+        # The lock is gone, and with it the logdir the run had created (nothing was written).
+        self.assertFalse(os.path.exists(os.path.join(self.root, "setup")))
+
+    def test_second_signal_during_the_save_is_ignored(self) -> None:
+        self._check_stopped("second_signal", signal.SIGINT)
+        self.assertIn("SIGTERM received again while stopping", self.stopped["second_signal"][1])
+        self._check_resumed_exactly("second_signal")
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. Checkpoint integrity.
 
 
@@ -326,7 +428,6 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         self.assertIn("trainer.py: error: every checkpoint in", err)
         self.assertIn("move that directory aside", err)
         self.assertEqual(_hash_tree(logdir), before)
-
 
 # ---------------------------------------------------------------------------------------------
 # 3. One writer per logdir (lock records written by hand; the SIGKILL test covers a real one).

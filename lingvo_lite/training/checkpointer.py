@@ -31,6 +31,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_lite.training import interrupts
+
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUBDIR = "damaged"
 GLOBAL_STEP_KEY = "model/global_step/.ATTRIBUTES/VARIABLE_VALUE"
@@ -280,6 +282,7 @@ class Checkpointer:
             return None
         manager = self._get_manager()
         path = manager.save(checkpoint_number=step)
+        interrupts.maybe_signal_self(f"saving:{step}")
         write_manifest(path)
         for stale in glob.glob(os.path.join(glob.escape(self.directory),
                                             "ckpt-*" + MANIFEST_SUFFIX)):
