@@ -315,6 +315,10 @@ class CheckpointIntegrityTest(tf.test.TestCase):
                                 model_params_override=cls.OVERRIDES)
         cls.ref_result = _main(model=TINY, logdir=cls.ref, max_steps=20,
                                model_params_override=cls.OVERRIDES)
+        cls.wide = os.path.join(cls.root, "wide")  # Another model's ckpt-17 (only).
+        cls.wide_result = _main(model="reliability_models.TinyMlpWide", logdir=cls.wide,
+                                max_steps=17,
+                                model_params_override=_train_overrides(save_interval_steps=0))
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -327,7 +331,7 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         return logdir
 
     def test_setup_runs_succeeded(self) -> None:
-        for status, _, err in (self.base_result, self.ref_result):
+        for status, _, err in (self.base_result, self.ref_result, self.wide_result):
             self.assertEqual(status, 0, err)
         self.assertEqual(sorted(os.listdir(_ckpt_dir(self.base))), [
             "checkpoint", "ckpt-10.data-00000-of-00001", "ckpt-10.index",
@@ -364,7 +368,7 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         self.assertIn("does not match the checksum", err)
         self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
         # The damaged files were moved aside, not deleted.
-        with open(os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-15.data-00000-of-00001"),
+        with open(_data_file(os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-15", "ckpt-15")),
                   "rb") as f:
             self.assertEqual(f.read(), damaged_bytes)
         # ckpt-10 was only deleted once two newer good checkpoints existed (max_to_keep=2).
@@ -428,6 +432,121 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         self.assertIn("trainer.py: error: every checkpoint in", err)
         self.assertIn("move that directory aside", err)
         self.assertEqual(_hash_tree(logdir), before)
+
+    def _train_to(self, logdir: str, max_steps: int) -> tuple[int, str, str]:
+        return _main(model=TINY, logdir=logdir, max_steps=max_steps,
+                     model_params_override=self.OVERRIDES)
+
+    def _assert_like_ref_at_20(self, logdir: str) -> None:
+        _assert_bit_identical(self, _ckpt_values(_ckpt(logdir, 20)),
+                              _ckpt_values(_ckpt(self.ref, 20)))
+
+    def test_garbled_state_file_is_rebuilt(self) -> None:
+        # Issue 17.3: random bytes in the state file made every later save crash.
+        logdir = self._copy("garbled_state")
+        with open(os.path.join(_ckpt_dir(logdir), "checkpoint"), "wb") as f:
+            f.write(b"\xff\xfe" + random.Random(3).randbytes(300))
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self._assert_like_ref_at_20(logdir)
+        state = tf.train.get_checkpoint_state(_ckpt_dir(logdir))
+        self.assertEqual([os.path.basename(p) for p in state.all_model_checkpoint_paths],
+                         ["ckpt-15", "ckpt-20"])
+
+    def test_checkpoints_found_without_state_file_and_manifests(self) -> None:
+        # Issue 17.3: with both gone, intact checkpoints were ignored (eval: "train first";
+        # training: from scratch).
+        logdir = self._copy("no_state")
+        os.remove(os.path.join(_ckpt_dir(logdir), "checkpoint"))
+        for step in (10, 15):
+            os.remove(_ckpt(logdir, step) + ".manifest.json")
+        status, out, err = _main(model=TINY, logdir=logdir, mode="eval")
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Evaluating {_ckpt(logdir, 15)} (global step 15)", out)
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self.assertIsNone(checkpointer.find_damage(_ckpt(logdir, 20)))
+        self._assert_like_ref_at_20(logdir)
+
+    def test_older_checkpoints_are_deleted_again_after_a_fallback(self) -> None:
+        # Issue 17.4: after falling back past a damaged checkpoint, older good ones stayed on
+        # disk forever.
+        logdir = self._copy("fallback_then_keep")
+        _flip_byte(_data_file(_ckpt(logdir, 15)))
+        status, out, err = self._train_to(logdir, 25)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
+        on_disk = sorted(name for name in os.listdir(_ckpt_dir(logdir))
+                         if name.startswith("ckpt-"))
+        self.assertEqual(on_disk, [  # max_checkpoints_to_keep=2.
+            "ckpt-20.data-00000-of-00001", "ckpt-20.index", "ckpt-20.manifest.json",
+            "ckpt-25.data-00000-of-00001", "ckpt-25.index", "ckpt-25.manifest.json"])
+
+    def test_same_step_damaged_twice_keeps_both_copies(self) -> None:
+        # Issue 17.4: the second quarantine of ckpt-15 overwrote the first in damaged/.
+        logdir = self._copy("damaged_twice")
+        copies = []
+        for damage in (_flip_byte, _truncate):
+            damage(_data_file(_ckpt(logdir, 15)))
+            with open(_data_file(_ckpt(logdir, 15)), "rb") as f:
+                copies.append(f.read())
+            status, out, err = self._train_to(logdir, 15)
+            self.assertEqual(status, 0, err)
+            self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
+        self.assertNotEqual(copies[0], copies[1])
+        damaged = os.path.join(_ckpt_dir(logdir), "damaged")
+        self.assertEqual(sorted(os.listdir(damaged)), ["ckpt-15", "ckpt-15.2"])
+        for name, expected in zip(("ckpt-15", "ckpt-15.2"), copies):
+            with open(_data_file(os.path.join(damaged, name, "ckpt-15")), "rb") as f:
+                self.assertEqual(f.read(), expected, name)
+        self.assertIn(f"moved the unusable checkpoint {_ckpt(logdir, 15)} (3 files) to "
+                      f"{os.path.join(damaged, 'ckpt-15.2')}", err)
+
+    def test_leftovers_of_interrupted_saves_are_removed(self) -> None:
+        # Issue 17.4: TensorFlow's ckpt-N_temp/ shard directory, a manifest's temporary file
+        # and the data shard of a save that never wrote its .index stayed forever.
+        logdir = self._copy("leftovers")
+        directory = _ckpt_dir(logdir)
+        temp_dir = os.path.join(directory, "ckpt-17_temp")
+        os.mkdir(temp_dir)
+        leftovers = [os.path.join(temp_dir, "part-00000-of-00001.data-00000-of-00001"),
+                     os.path.join(directory, "ckpt-15.manifest.json.tmp-99999"),
+                     _data_file(_ckpt(logdir, 18))]
+        for path in leftovers:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        for path in leftovers + [temp_dir]:
+            self.assertFalse(os.path.exists(path), path)
+        self._assert_like_ref_at_20(logdir)
+
+    def test_foreign_newest_checkpoint_is_set_aside(self) -> None:
+        # Issue 17.4: another model's checkpoint as the newest stopped the run ("were the model
+        # params changed?") although an older one fits; it is unusable like a damaged one.
+        logdir = self._copy("foreign")
+        foreign = _ckpt(self.wide, 17)
+        names = [os.path.basename(p) for p in checkpointer.checkpoint_files(foreign)]
+        names.append("ckpt-17.manifest.json")
+        for name in names:
+            shutil.copy(os.path.join(_ckpt_dir(self.wide), name), _ckpt_dir(logdir))
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"checkpoint {_ckpt(logdir, 17)} is unusable: it does not match this "
+                      "model", err)
+        moved_to = os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-17")
+        self.assertIn(f"moved the unusable checkpoint {_ckpt(logdir, 17)} (3 files) to "
+                      f"{moved_to}", err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self.assertEqual(sorted(os.listdir(moved_to)), sorted(names))
+        self.assertEqual(_hash_tree(moved_to),
+                         {n: v for n, v in _hash_tree(_ckpt_dir(self.wide)).items()
+                          if n in names})
+        self._assert_like_ref_at_20(logdir)
+
 
 # ---------------------------------------------------------------------------------------------
 # 3. One writer per logdir (lock records written by hand; the SIGKILL test covers a real one).
