@@ -807,7 +807,18 @@ class BadInputTest(tf.test.TestCase):
             ("eval before any checkpoint", dict(model=TINY, logdir=self.empty, mode="eval"),
              ["no checkpoint in", "train first"]),
             ("batch_size 0", dict(model=TINY, logdir=good, input_params_override="batch_size : 0"),
-             ["batch_size", ">= 1"]),
+             ["input.batch_size=0", ">= 1"]),
+            ("batch_size 0 via model override",
+             dict(model=TINY, logdir=good, model_params_override="input.batch_size : 0"),
+             ["input.batch_size=0", ">= 1"]),
+            ("unknown partition method",
+             dict(model=TINY, logdir=good,
+                  model_params_override="network.partition_method : 'bogus'"),
+             ["network.partition_method='bogus'", "min_max"]),
+            ("unknown partition cost",
+             dict(model=TINY, logdir=good,
+                  model_params_override="network.partition_cost : 'bogus'"),
+             ["network.partition_cost='bogus'", "flops"]),
             ("num_micro_batches 0", dict(model=TINY, logdir=good, num_micro_batches=0),
              ["--num_micro_batches=0", ">= 1"]),
             ("max_steps -1", dict(model=TINY, logdir=good, max_steps=-1),
@@ -841,6 +852,9 @@ class BadInputTest(tf.test.TestCase):
             ("input seed wrong type",
              dict(model=TINY, logdir=good, input_params_override="seed : 'abc'"),
              ["seed"]),
+            ("negative learning rate",
+             dict(model=TINY, logdir=good, model_params_override="train.learning_rate : -0.1"),
+             ["train.learning_rate=-0.1", ">= 0", "--model_params_override"]),
             ("micro-batches 0 via override",
              dict(model=TINY, logdir=good, model_params_override="network.num_micro_batches : 0"),
              ["num_micro_batches"]),
@@ -884,6 +898,20 @@ class BadInputTest(tf.test.TestCase):
             self.assertLen(errors, 1, stderr)
             self.assertIn(expected, errors[0])
             self.assertIn("--helpfull", errors[0])
+
+
+class ProfileStepsRangeTest(tf.test.TestCase):
+
+    def test_profile_steps_outside_the_run_warn_before_training(self) -> None:
+        # Issue 17.6: --profile_steps beyond max_steps was silently accepted.
+        root = tempfile.mkdtemp(prefix="reliability_profile_")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        status, out, err = _main(model=TINY, logdir=os.path.join(root, "run"), max_steps=3,
+                                 profile_steps="5,6")
+        self.assertEqual(status, 0, err)
+        self.assertIn("trainer.py: warning: --profile_steps=5,6 asks for steps this run does "
+                      "not train (it trains steps 1..3); none of them will be profiled.", err)
+        self.assertFalse(os.path.exists(os.path.join(root, "run", "train", "plugins")))
 
 
 # ---------------------------------------------------------------------------------------------

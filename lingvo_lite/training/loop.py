@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import time
 from collections.abc import Callable
@@ -157,6 +158,14 @@ def check_train_params(tp: hyperparams.Params) -> None:
             raise ValueError(
                 f"train.{name}={value!r} must be an int >= {minimum}; set it with "
                 f"--model_params_override='train.{name} : <int>'.")
+    if "learning_rate" in tp:
+        lr = tp.learning_rate
+        if (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                or lr < 0):
+            raise ValueError(
+                f"train.learning_rate={lr!r} must be a finite number >= 0 (a negative one "
+                "climbs the loss); set it with --model_params_override='train.learning_rate : "
+                "<float>'.")
 
 
 @dataclasses.dataclass

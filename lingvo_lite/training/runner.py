@@ -404,7 +404,14 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         from lingvo_lite.training import profiling
 
         first, last = profiling.parse_profile_steps(options.profile_steps)
-        trainer.profiler = profiling.StepProfiler(logdir, first, min(last, max_steps))
+        start = trainer.global_step + 1
+        if first < start or last > max_steps:
+            what = ("none of them" if last < start or first > max_steps else
+                    f"only steps {max(first, start)}..{min(last, max_steps)}")
+            print(f"trainer.py: warning: --profile_steps={options.profile_steps} asks for steps "
+                  f"this run does not train (it trains steps {start}..{max_steps}); "
+                  f"{what} will be profiled.", file=err, flush=True)
+        trainer.profiler = profiling.StepProfiler(logdir, max(first, start), min(last, max_steps))
     return trainer.run
 
 
