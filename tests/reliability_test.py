@@ -27,7 +27,7 @@ import pytest
 import reliability_models  # noqa: F401 (registers reliability_models.*)
 import tensorflow as tf
 import testdata_models  # noqa: F401 (registers testdata_models.*)
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
 
@@ -98,6 +98,16 @@ def _scalars(event_dir: str) -> dict[str, dict[int, float]]:
         event_dir, size_guidance={event_accumulator.TENSORS: 0})
     acc.Reload()
     return {tag: {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+            for tag in acc.Tags()["tensors"]
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
+
+
+def _scalar_events(event_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] as TensorBoard's server loads them (restart handling included)."""
+    acc = plugin_event_accumulator.EventAccumulator(
+        event_dir, size_guidance={plugin_event_accumulator.TENSORS: 0})
+    acc.Reload()
+    return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
             for tag in acc.Tags()["tensors"]
             if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
 
@@ -216,6 +226,8 @@ class StopSignalTest(tf.test.TestCase):
         "sigterm": "fetched:7=SIGTERM",
         # A second signal while the checkpoint of the first is being written.
         "second_signal": "fetched:7=SIGINT,saving:7=SIGTERM",
+        # Steps 5 and 6 are summarised, then lost with the process: the resume retrains them.
+        "sigkill": "fetched:7=SIGKILL",
     }
 
     @classmethod
@@ -281,6 +293,21 @@ class StopSignalTest(tf.test.TestCase):
     def test_sigterm_saves_releases_the_lock_and_resumes_exactly(self) -> None:
         self._check_stopped("sigterm", signal.SIGTERM)
         self._check_resumed_exactly("sigterm")
+
+    def test_resumed_curves_have_one_point_per_step(self) -> None:
+        # Issue 17.7: after a SIGKILL at step 7 and a resume from ckpt-4, TensorBoard showed
+        # steps 5 and 6 twice.
+        self.assertEqual(self.stopped["sigkill"][0], -signal.SIGKILL)
+        status, out, err = self.resumed["sigkill"]
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(os.path.join(self.root, 'sigkill'), 4)}", out)
+        resumed = _scalar_events(os.path.join(self.root, "sigkill", "train"))
+        full = _scalar_events(os.path.join(self.full, "train"))
+        self.assertEqual([step for step, _ in resumed["loss"]], list(range(1, SIGNAL_STEPS + 1)))
+        for tag, events in resumed.items():
+            steps = [step for step, _ in events]
+            self.assertEqual(len(steps), len(set(steps)), f"{tag}: {steps}")
+        self.assertEqual(resumed["loss"], full["loss"])
 
     def test_sigterm_during_setup_releases_the_lock(self) -> None:
         status, out, err = self.stopped["setup"]
@@ -912,6 +939,36 @@ class ProfileStepsRangeTest(tf.test.TestCase):
         self.assertIn("trainer.py: warning: --profile_steps=5,6 asks for steps this run does "
                       "not train (it trains steps 1..3); none of them will be profiled.", err)
         self.assertFalse(os.path.exists(os.path.join(root, "run", "train", "plugins")))
+
+
+# TensorFlow's C++ log lines ("I0000 00:00:1795470611.323789   16687 port.cc:153] oneDNN ...")
+# and their preamble; not the project's own Python absl lines ("... pipelining_layer.py:55] ...").
+_CPP_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\.(cc|h):\d+\]|absl::InitializeLog")
+
+
+@pytest.mark.slow
+class StartupLogsTest(tf.test.TestCase):
+
+    def test_tensorflow_startup_logs_hidden_unless_asked_for(self) -> None:
+        # Issue 17.7: every run printed TensorFlow's C++ start-up lines around its own.
+        root = tempfile.mkdtemp(prefix="reliability_logs_")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+        procs = {}
+        for name, extra in (("quiet", []), ("loud", ["--tf_logs"])):
+            procs[name] = subprocess.Popen(
+                [sys.executable, os.path.join(REPO, "trainer.py"), f"--model={CLI_NOISY}",
+                 f"--logdir={os.path.join(root, name)}", "--max_steps=1", *extra],
+                cwd=REPO, env=dict(env, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+        results = {name: (p.communicate(timeout=240), p.returncode) for name, p in procs.items()}
+        for name, ((out, err), status) in results.items():
+            self.assertEqual(status, 0, f"{name}: {err}")
+            self.assertIn("Done: global step 1", out, name)
+        (_, quiet_err), _ = results["quiet"]
+        (_, loud_err), _ = results["loud"]
+        self.assertEqual([ln for ln in quiet_err.splitlines() if _CPP_LOG_LINE.search(ln)], [])
+        self.assertNotEqual([ln for ln in loud_err.splitlines() if _CPP_LOG_LINE.search(ln)], [])
 
 
 # ---------------------------------------------------------------------------------------------

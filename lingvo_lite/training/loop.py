@@ -331,7 +331,7 @@ class Trainer:
             self._print(f"Resuming training from step {step} to step {max_steps}.")
         else:
             self._print(f"Training from scratch to step {max_steps}.")
-        writers = summaries.SummaryWriters(self._logdir)
+        writers = summaries.SummaryWriters(self._logdir, first_step=step + 1)
         try:
             with interrupts.StopSignals() as self._signals:
                 self._write_run_files(writers, step)
