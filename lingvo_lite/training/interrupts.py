@@ -8,7 +8,7 @@ where the weights and the input position belong together, and saves there. A sec
 during that save is recorded, reported after it and otherwise ignored.
 
 Before the training loop (setup: building the model, restoring, tracing) there is nothing to
-save: `raise_on_signals` turns SIGTERM, like SIGINT, into a `Interrupted` exception so the logdir
+save: `raise_on_signals` turns SIGTERM, like SIGINT, into an `Interrupted` exception so the logdir
 lock is released on the way out.
 
 `maybe_signal_self` is a test-only hook (see its docstring).
