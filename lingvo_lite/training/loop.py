@@ -317,7 +317,7 @@ class Trainer:
         writers.text(TRAIN_SUBDIR, step, "model_analysis", self._analysis_text)
 
     def run(self) -> int:
-        """Trains to `train.max_steps`; returns the process exit status (0 on success)."""
+        """Trains to `train.max_steps`; returns the exit status (0, or 128 + SIGINT/SIGTERM)."""
         tp = self.task.params.train
         max_steps = tp.max_steps
         step = self.global_step
