@@ -32,6 +32,9 @@ of a model params class, e.g. `tests.testdata_models.TinyMlp` (imported on deman
 repository root or put the module's root on PYTHONPATH). `--model_modules` imports modules first so
 their registered models appear in list_models.
 
+TensorFlow's C++ start-up and INFO/WARNING logs are hidden unless --tf_logs is given or
+TF_CPP_MIN_LOG_LEVEL is set.
+
 A user error (unknown model or param, bad value, missing flag or directory) prints one line
 `trainer.py: error: ...` and exits with status 1.
 """
@@ -39,12 +42,16 @@ A user error (unknown model or param, bad value, missing flag or directory) prin
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
 
 from absl import app, flags
 from absl import logging as absl_logging
 
 from lingvo_lite.training import options as options_lib
+
+TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 
 _MODEL = flags.DEFINE_string("model", None, "Registered model name or module.path.ClassName.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Directory of checkpoints and summaries.")
@@ -91,6 +98,11 @@ _EQUIVALENCE_TOLERANCE = flags.DEFINE_float(
     "equivalence_tolerance", None,
     "check_equivalence: the largest accepted relative difference of the loss and of each "
     "gradient (default 1e-4).")
+
+_TF_LOGS = flags.DEFINE_boolean(
+    "tf_logs", False,
+    "Show TensorFlow's C++ logs: its start-up lines (oneDNN, CUDA probing, CPU features) and "
+    "INFO/WARNING messages. Hidden by default unless TF_CPP_MIN_LOG_LEVEL is set.")
 
 _TPU = flags.DEFINE_string(
     "tpu", None,
@@ -144,10 +156,38 @@ def main(argv: list[str]) -> None:
         print(f"trainer.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     absl_logging.get_absl_logger().addFilter(_DropCheckpointTimings())
+    if not _TF_LOGS.value and TF_LOG_LEVEL_ENV not in os.environ:
+        os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
+        _import_tensorflow_quietly()
     # Imported only now: it loads TensorFlow, which the checks above do not need.
     from lingvo_lite.training import runner
 
     sys.exit(runner.main(opts))
+
+
+def _import_tensorflow_quietly() -> None:
+    """Imports TensorFlow with file descriptor 2 captured in a temporary file.
+
+    TensorFlow's C++ start-up lines are printed before TF_CPP_MIN_LOG_LEVEL takes effect, so
+    only capturing them hides them. They are replayed when the import fails.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()  # Probes CUDA (more start-up lines).
+        except BaseException:
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.buffer.write(captured.read())
+            sys.stderr.flush()
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ import pytest
 import reliability_models  # noqa: F401 (registers reliability_models.*)
 import tensorflow as tf
 import testdata_models  # noqa: F401 (registers testdata_models.*)
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
 
@@ -44,8 +44,9 @@ def _main(**kwargs) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def _launch(*args: str, stderr=subprocess.PIPE) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+def _launch(*args: str, stderr=subprocess.PIPE, extra_env: dict | None = None
+            ) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {}))
     return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
@@ -97,6 +98,16 @@ def _scalars(event_dir: str) -> dict[str, dict[int, float]]:
         event_dir, size_guidance={event_accumulator.TENSORS: 0})
     acc.Reload()
     return {tag: {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+            for tag in acc.Tags()["tensors"]
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
+
+
+def _scalar_events(event_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] as TensorBoard's server loads them (restart handling included)."""
+    acc = plugin_event_accumulator.EventAccumulator(
+        event_dir, size_guidance={plugin_event_accumulator.TENSORS: 0})
+    acc.Reload()
+    return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
             for tag in acc.Tags()["tensors"]
             if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
 
@@ -195,6 +206,124 @@ class ExactResumeTest(tf.test.TestCase):
 
 
 # ---------------------------------------------------------------------------------------------
+# 1b. SIGINT / SIGTERM at chosen moments (issue 17.1, 17.2). The trainer signals itself at an
+#     exact point through its test-only hook (interrupts.TEST_SIGNAL_ENV).
+
+SIGNAL_STEPS = 10
+SIGNAL_ARGS = [f"--model={CLI_NOISY}", "--deterministic", f"--max_steps={SIGNAL_STEPS}",
+               "--model_params_override=" + _train_overrides(
+                   log_interval_steps=1, summary_interval_steps=1, save_interval_steps=4,
+                   max_checkpoints_to_keep=3)]
+
+
+@pytest.mark.slow
+class StopSignalTest(tf.test.TestCase):
+    """Each victim is signalled right after fetching the batch of step 7 (ckpt-4 is the last
+    periodic save), then resumed; the result must equal an uninterrupted run's."""
+
+    VICTIMS = {
+        "sigint": "fetched:7=SIGINT",
+        "sigterm": "fetched:7=SIGTERM",
+        # A second signal while the checkpoint of the first is being written.
+        "second_signal": "fetched:7=SIGINT,saving:7=SIGTERM",
+        # Steps 5 and 6 are summarised, then lost with the process: the resume retrains them.
+        "sigkill": "fetched:7=SIGKILL",
+    }
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        super().setUpClass()
+        cls.root = tempfile.mkdtemp(prefix="reliability_signal_")
+        cls.full = os.path.join(cls.root, "full")
+        procs = {"full": _launch(*SIGNAL_ARGS, f"--logdir={cls.full}")}
+        for name, spec in cls.VICTIMS.items():
+            procs[name] = _launch(*SIGNAL_ARGS, f"--logdir={os.path.join(cls.root, name)}",
+                                  extra_env={"LINGVO_LITE_TEST_SIGNAL_AT": spec})
+        procs["setup"] = _launch(*SIGNAL_ARGS, f"--logdir={os.path.join(cls.root, 'setup')}",
+                                 extra_env={"LINGVO_LITE_TEST_SIGNAL_AT": "setup=SIGTERM"})
+        cls.stopped = cls._wait(procs)
+        cls.resumed = cls._wait({name: _launch(*SIGNAL_ARGS,
+                                               f"--logdir={os.path.join(cls.root, name)}")
+                                 for name in cls.VICTIMS})
+
+    @staticmethod
+    def _wait(procs: dict) -> dict[str, tuple[int, str, str]]:
+        results = {}
+        for name, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            results[name] = (proc.returncode, out, err)
+        return results
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        shutil.rmtree(cls.root, ignore_errors=True)
+        super().tearDownClass()
+
+    def _check_stopped(self, name: str, signum: int) -> str:
+        status, out, err = self.stopped[name]
+        logdir = os.path.join(self.root, name)
+        self.assertEqual(status, 128 + signum, out + err)
+        self.assertNotIn("Traceback", out + err)
+        sig = signal.Signals(signum).name
+        self.assertIn(f"Interrupted by {sig} at step 7; checkpoint saved.", out)
+        # The checkpoint pairs the weights of step 7 with the input position after batch 7.
+        self.assertIsNone(checkpointer.find_damage(_ckpt(logdir, 7)))
+        self.assertEqual(_step_of(_ckpt(logdir, 7)), 7)
+        self.assertFalse(os.path.exists(os.path.join(logdir, logdir_lock.LOCK_FILE)))
+        return logdir
+
+    def _check_resumed_exactly(self, name: str) -> None:
+        status, out, err = self.resumed[name]
+        logdir = os.path.join(self.root, name)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 7)} (global step 7)", out)
+        full_status, _, full_err = self.stopped["full"]
+        self.assertEqual(full_status, 0, full_err)
+        _assert_bit_identical(self, _ckpt_values(_ckpt(logdir, SIGNAL_STEPS)),
+                              _ckpt_values(_ckpt(self.full, SIGNAL_STEPS)))
+
+    def test_sigint_between_fetch_and_step_resumes_exactly(self) -> None:
+        self._check_stopped("sigint", signal.SIGINT)
+        self._check_resumed_exactly("sigint")
+
+    def test_sigterm_saves_releases_the_lock_and_resumes_exactly(self) -> None:
+        self._check_stopped("sigterm", signal.SIGTERM)
+        self._check_resumed_exactly("sigterm")
+
+    def test_resumed_curves_have_one_point_per_step(self) -> None:
+        # Issue 17.7: after a SIGKILL at step 7 and a resume from ckpt-4, TensorBoard showed
+        # steps 5 and 6 twice.
+        self.assertEqual(self.stopped["sigkill"][0], -signal.SIGKILL)
+        status, out, err = self.resumed["sigkill"]
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(os.path.join(self.root, 'sigkill'), 4)}", out)
+        resumed = _scalar_events(os.path.join(self.root, "sigkill", "train"))
+        full = _scalar_events(os.path.join(self.full, "train"))
+        self.assertEqual([step for step, _ in resumed["loss"]], list(range(1, SIGNAL_STEPS + 1)))
+        for tag, events in resumed.items():
+            steps = [step for step, _ in events]
+            self.assertEqual(len(steps), len(set(steps)), f"{tag}: {steps}")
+        self.assertEqual(resumed["loss"], full["loss"])
+
+    def test_sigterm_during_setup_releases_the_lock(self) -> None:
+        status, out, err = self.stopped["setup"]
+        self.assertEqual(status, 128 + signal.SIGTERM, out + err)
+        self.assertNotIn("Traceback", out + err)
+        self.assertIn("trainer.py: interrupted by SIGTERM during setup; nothing was saved.", err)
+        # The lock is gone, and with it the logdir the run had created (nothing was written).
+        self.assertFalse(os.path.exists(os.path.join(self.root, "setup")))
+
+    def test_second_signal_during_the_save_is_ignored(self) -> None:
+        self._check_stopped("second_signal", signal.SIGINT)
+        self.assertIn("SIGTERM received again while stopping", self.stopped["second_signal"][1])
+        self._check_resumed_exactly("second_signal")
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. Checkpoint integrity.
 
 
@@ -213,6 +342,10 @@ class CheckpointIntegrityTest(tf.test.TestCase):
                                 model_params_override=cls.OVERRIDES)
         cls.ref_result = _main(model=TINY, logdir=cls.ref, max_steps=20,
                                model_params_override=cls.OVERRIDES)
+        cls.wide = os.path.join(cls.root, "wide")  # Another model's ckpt-17 (only).
+        cls.wide_result = _main(model="reliability_models.TinyMlpWide", logdir=cls.wide,
+                                max_steps=17,
+                                model_params_override=_train_overrides(save_interval_steps=0))
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -225,7 +358,7 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         return logdir
 
     def test_setup_runs_succeeded(self) -> None:
-        for status, _, err in (self.base_result, self.ref_result):
+        for status, _, err in (self.base_result, self.ref_result, self.wide_result):
             self.assertEqual(status, 0, err)
         self.assertEqual(sorted(os.listdir(_ckpt_dir(self.base))), [
             "checkpoint", "ckpt-10.data-00000-of-00001", "ckpt-10.index",
@@ -262,7 +395,7 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         self.assertIn("does not match the checksum", err)
         self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
         # The damaged files were moved aside, not deleted.
-        with open(os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-15.data-00000-of-00001"),
+        with open(_data_file(os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-15", "ckpt-15")),
                   "rb") as f:
             self.assertEqual(f.read(), damaged_bytes)
         # ckpt-10 was only deleted once two newer good checkpoints existed (max_to_keep=2).
@@ -326,6 +459,120 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         self.assertIn("trainer.py: error: every checkpoint in", err)
         self.assertIn("move that directory aside", err)
         self.assertEqual(_hash_tree(logdir), before)
+
+    def _train_to(self, logdir: str, max_steps: int) -> tuple[int, str, str]:
+        return _main(model=TINY, logdir=logdir, max_steps=max_steps,
+                     model_params_override=self.OVERRIDES)
+
+    def _assert_like_ref_at_20(self, logdir: str) -> None:
+        _assert_bit_identical(self, _ckpt_values(_ckpt(logdir, 20)),
+                              _ckpt_values(_ckpt(self.ref, 20)))
+
+    def test_garbled_state_file_is_rebuilt(self) -> None:
+        # Issue 17.3: random bytes in the state file made every later save crash.
+        logdir = self._copy("garbled_state")
+        with open(os.path.join(_ckpt_dir(logdir), "checkpoint"), "wb") as f:
+            f.write(b"\xff\xfe" + random.Random(3).randbytes(300))
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self._assert_like_ref_at_20(logdir)
+        state = tf.train.get_checkpoint_state(_ckpt_dir(logdir))
+        self.assertEqual([os.path.basename(p) for p in state.all_model_checkpoint_paths],
+                         ["ckpt-15", "ckpt-20"])
+
+    def test_checkpoints_found_without_state_file_and_manifests(self) -> None:
+        # Issue 17.3: with both gone, intact checkpoints were ignored (eval: "train first";
+        # training: from scratch).
+        logdir = self._copy("no_state")
+        os.remove(os.path.join(_ckpt_dir(logdir), "checkpoint"))
+        for step in (10, 15):
+            os.remove(_ckpt(logdir, step) + ".manifest.json")
+        status, out, err = _main(model=TINY, logdir=logdir, mode="eval")
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Evaluating {_ckpt(logdir, 15)} (global step 15)", out)
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self.assertIsNone(checkpointer.find_damage(_ckpt(logdir, 20)))
+        self._assert_like_ref_at_20(logdir)
+
+    def test_older_checkpoints_are_deleted_again_after_a_fallback(self) -> None:
+        # Issue 17.4: after falling back past a damaged checkpoint, older good ones stayed on
+        # disk forever.
+        logdir = self._copy("fallback_then_keep")
+        _flip_byte(_data_file(_ckpt(logdir, 15)))
+        status, out, err = self._train_to(logdir, 25)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
+        on_disk = sorted(name for name in os.listdir(_ckpt_dir(logdir))
+                         if name.startswith("ckpt-"))
+        self.assertEqual(on_disk, [  # max_checkpoints_to_keep=2.
+            "ckpt-20.data-00000-of-00001", "ckpt-20.index", "ckpt-20.manifest.json",
+            "ckpt-25.data-00000-of-00001", "ckpt-25.index", "ckpt-25.manifest.json"])
+
+    def test_same_step_damaged_twice_keeps_both_copies(self) -> None:
+        # Issue 17.4: the second quarantine of ckpt-15 overwrote the first in damaged/.
+        logdir = self._copy("damaged_twice")
+        copies = []
+        for damage in (_flip_byte, _truncate):
+            damage(_data_file(_ckpt(logdir, 15)))
+            with open(_data_file(_ckpt(logdir, 15)), "rb") as f:
+                copies.append(f.read())
+            status, out, err = self._train_to(logdir, 15)
+            self.assertEqual(status, 0, err)
+            self.assertIn(f"Restored {_ckpt(logdir, 10)} (global step 10)", out)
+        self.assertNotEqual(copies[0], copies[1])
+        damaged = os.path.join(_ckpt_dir(logdir), "damaged")
+        self.assertEqual(sorted(os.listdir(damaged)), ["ckpt-15", "ckpt-15.2"])
+        for name, expected in zip(("ckpt-15", "ckpt-15.2"), copies):
+            with open(_data_file(os.path.join(damaged, name, "ckpt-15")), "rb") as f:
+                self.assertEqual(f.read(), expected, name)
+        self.assertIn(f"moved the unusable checkpoint {_ckpt(logdir, 15)} (3 files) to "
+                      f"{os.path.join(damaged, 'ckpt-15.2')}", err)
+
+    def test_leftovers_of_interrupted_saves_are_removed(self) -> None:
+        # Issue 17.4: TensorFlow's ckpt-N_temp/ shard directory, a manifest's temporary file
+        # and the data shard of a save that never wrote its .index stayed forever.
+        logdir = self._copy("leftovers")
+        directory = _ckpt_dir(logdir)
+        temp_dir = os.path.join(directory, "ckpt-17_temp")
+        os.mkdir(temp_dir)
+        leftovers = [os.path.join(temp_dir, "part-00000-of-00001.data-00000-of-00001"),
+                     os.path.join(directory, "ckpt-15.manifest.json.tmp-99999"),
+                     _data_file(_ckpt(logdir, 18))]
+        for path in leftovers:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        for path in leftovers + [temp_dir]:
+            self.assertFalse(os.path.exists(path), path)
+        self._assert_like_ref_at_20(logdir)
+
+    def test_foreign_newest_checkpoint_is_set_aside(self) -> None:
+        # Issue 17.4: another model's checkpoint as the newest stopped the run ("were the model
+        # params changed?") although an older one fits; it is unusable like a damaged one.
+        logdir = self._copy("foreign")
+        foreign = _ckpt(self.wide, 17)
+        names = [os.path.basename(p) for p in checkpointer.checkpoint_files(foreign)]
+        names.append("ckpt-17.manifest.json")
+        for name in names:
+            shutil.copy(os.path.join(_ckpt_dir(self.wide), name), _ckpt_dir(logdir))
+        status, out, err = self._train_to(logdir, 20)
+        self.assertEqual(status, 0, err)
+        self.assertIn(f"checkpoint {_ckpt(logdir, 17)} is unusable: it does not match this "
+                      "model", err)
+        moved_to = os.path.join(_ckpt_dir(logdir), "damaged", "ckpt-17")
+        self.assertIn(f"moved the unusable checkpoint {_ckpt(logdir, 17)} (3 files) to "
+                      f"{moved_to}", err)
+        self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
+        self.assertEqual(sorted(os.listdir(moved_to)), sorted(names))
+        self.assertEqual(_hash_tree(moved_to),
+                         {n: v for n, v in _hash_tree(_ckpt_dir(self.wide)).items()
+                          if n in names})
+        self._assert_like_ref_at_20(logdir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +834,18 @@ class BadInputTest(tf.test.TestCase):
             ("eval before any checkpoint", dict(model=TINY, logdir=self.empty, mode="eval"),
              ["no checkpoint in", "train first"]),
             ("batch_size 0", dict(model=TINY, logdir=good, input_params_override="batch_size : 0"),
-             ["batch_size", ">= 1"]),
+             ["input.batch_size=0", ">= 1"]),
+            ("batch_size 0 via model override",
+             dict(model=TINY, logdir=good, model_params_override="input.batch_size : 0"),
+             ["input.batch_size=0", ">= 1"]),
+            ("unknown partition method",
+             dict(model=TINY, logdir=good,
+                  model_params_override="network.partition_method : 'bogus'"),
+             ["network.partition_method='bogus'", "min_max"]),
+            ("unknown partition cost",
+             dict(model=TINY, logdir=good,
+                  model_params_override="network.partition_cost : 'bogus'"),
+             ["network.partition_cost='bogus'", "flops"]),
             ("num_micro_batches 0", dict(model=TINY, logdir=good, num_micro_batches=0),
              ["--num_micro_batches=0", ">= 1"]),
             ("max_steps -1", dict(model=TINY, logdir=good, max_steps=-1),
@@ -621,6 +879,9 @@ class BadInputTest(tf.test.TestCase):
             ("input seed wrong type",
              dict(model=TINY, logdir=good, input_params_override="seed : 'abc'"),
              ["seed"]),
+            ("negative learning rate",
+             dict(model=TINY, logdir=good, model_params_override="train.learning_rate : -0.1"),
+             ["train.learning_rate=-0.1", ">= 0", "--model_params_override"]),
             ("micro-batches 0 via override",
              dict(model=TINY, logdir=good, model_params_override="network.num_micro_batches : 0"),
              ["num_micro_batches"]),
@@ -664,6 +925,50 @@ class BadInputTest(tf.test.TestCase):
             self.assertLen(errors, 1, stderr)
             self.assertIn(expected, errors[0])
             self.assertIn("--helpfull", errors[0])
+
+
+class ProfileStepsRangeTest(tf.test.TestCase):
+
+    def test_profile_steps_outside_the_run_warn_before_training(self) -> None:
+        # Issue 17.6: --profile_steps beyond max_steps was silently accepted.
+        root = tempfile.mkdtemp(prefix="reliability_profile_")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        status, out, err = _main(model=TINY, logdir=os.path.join(root, "run"), max_steps=3,
+                                 profile_steps="5,6")
+        self.assertEqual(status, 0, err)
+        self.assertIn("trainer.py: warning: --profile_steps=5,6 asks for steps this run does "
+                      "not train (it trains steps 1..3); none of them will be profiled.", err)
+        self.assertFalse(os.path.exists(os.path.join(root, "run", "train", "plugins")))
+
+
+# TensorFlow's C++ log lines ("I0000 00:00:1795470611.323789   16687 port.cc:153] oneDNN ...")
+# and their preamble; not the project's own Python absl lines ("... pipelining_layer.py:55] ...").
+_CPP_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\.(cc|h):\d+\]|absl::InitializeLog")
+
+
+@pytest.mark.slow
+class StartupLogsTest(tf.test.TestCase):
+
+    def test_tensorflow_startup_logs_hidden_unless_asked_for(self) -> None:
+        # Issue 17.7: every run printed TensorFlow's C++ start-up lines around its own.
+        root = tempfile.mkdtemp(prefix="reliability_logs_")
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+        procs = {}
+        for name, extra in (("quiet", []), ("loud", ["--tf_logs"])):
+            procs[name] = subprocess.Popen(
+                [sys.executable, os.path.join(REPO, "trainer.py"), f"--model={CLI_NOISY}",
+                 f"--logdir={os.path.join(root, name)}", "--max_steps=1", *extra],
+                cwd=REPO, env=dict(env, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+        results = {name: (p.communicate(timeout=240), p.returncode) for name, p in procs.items()}
+        for name, ((out, err), status) in results.items():
+            self.assertEqual(status, 0, f"{name}: {err}")
+            self.assertIn("Done: global step 1", out, name)
+        (_, quiet_err), _ = results["quiet"]
+        (_, loud_err), _ = results["loud"]
+        self.assertEqual([ln for ln in quiet_err.splitlines() if _CPP_LOG_LINE.search(ln)], [])
+        self.assertNotEqual([ln for ln in loud_err.splitlines() if _CPP_LOG_LINE.search(ln)], [])
 
 
 # ---------------------------------------------------------------------------------------------

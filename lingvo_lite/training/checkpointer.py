@@ -7,16 +7,24 @@ A checkpoint is a `tf.train.Checkpoint` with two entries:
     the last one trained on (training only; evaluation restores `model` alone).
 They live in `<logdir>/checkpoints/ckpt-<global step>`, managed by `tf.train.CheckpointManager`.
 
-Integrity. TensorFlow writes a checkpoint's data into a temporary directory, moves it into place,
-writes the `.index`, and only then atomically replaces the `checkpoint` state file that names the
-latest checkpoint; a crash mid-save therefore leaves the previous checkpoint as the latest. After
-every save this module also fsyncs the files and writes `ckpt-<step>.manifest.json` (sizes and
-SHA-256 of every file, written to a temporary name and renamed): the commit record of a whole,
-durable checkpoint. At restore, checkpoints are tried newest first: one whose files do not match
-its manifest, or whose restore fails (TensorFlow's per-tensor CRCs), is reported and skipped, and
-the previous one is used. Damaged checkpoints are moved to `checkpoints/damaged/` at the first save
-of the resumed run (never deleted), and the good ones are never deleted before a newer good one
-exists (the manager deletes only the oldest beyond `max_to_keep` >= 1).
+Integrity. TensorFlow writes a checkpoint's data into a temporary directory (`ckpt-N_temp/`),
+moves it into place and writes the `.index` last. After every save this module fsyncs the files
+and writes `ckpt-<step>.manifest.json` (sizes and SHA-256 of every file, written to a temporary
+name and renamed): the commit record of a whole, durable checkpoint.
+
+Discovery. Checkpoints are found from their files (`candidate_checkpoints`: every `ckpt-N` with a
+manifest or an `.index`), never from TensorFlow's `checkpoint` state file, which is only a cache:
+the first save of a run rewrites it from the checkpoints on disk (with their times, so that
+CheckpointManager deletes the oldest beyond `max_to_keep` again after a fallback).
+
+Restore. Checkpoints are tried newest first: one whose files do not match its manifest, whose
+restore fails (TensorFlow's per-tensor CRCs; a checkpoint without a manifest is read in full
+first), or that holds another model's variables while an older one fits this model, is reported
+and skipped, and the previous one is used. At the first save of the resumed run the skipped ones
+are moved to a new `checkpoints/damaged/ckpt-N/` (`ckpt-N.2/`, ... when that step was set aside
+before; never deleted), and leftovers of interrupted saves (`ckpt-N_temp/`, manifest
+temporaries, data shards without an `.index`) are deleted. Good checkpoints are never deleted
+before a newer good one exists (the manager deletes only the oldest beyond `max_to_keep` >= 1).
 """
 
 from __future__ import annotations
@@ -26,16 +34,24 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
+from lingvo_lite.training import interrupts
+
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUBDIR = "damaged"
 GLOBAL_STEP_KEY = "model/global_step/.ATTRIBUTES/VARIABLE_VALUE"
 MANIFEST_SUFFIX = ".manifest.json"
+INDEX_SUFFIX = ".index"
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+# Leftovers of interrupted saves: TensorFlow's shard directory and our manifest's temporary file.
+_LEFTOVER_RE = re.compile(r"^ckpt-\d+(_temp|\.manifest\.json\.tmp-\d+)$")
+_DATA_RE = re.compile(r"^(ckpt-\d+)\.data-\d{5}-of-\d{5}$")
 # What reading a damaged checkpoint raises: TF's DataLoss/NotFound/..., or a short read.
 _READ_ERRORS = (tf.errors.OpError, IndexError, OSError, EOFError)
 
@@ -103,16 +119,17 @@ def write_manifest(prefix: str) -> str:
 def find_damage(prefix: str) -> str | None:
     """Why checkpoint `prefix` is damaged (missing, truncated or altered files), or None.
 
-    A checkpoint without a manifest (a crash between TensorFlow's save and the manifest) is not
-    reported here: its restore is still checked by TensorFlow's per-tensor checksums.
+    A checkpoint without a manifest (a crash between TensorFlow's save and the manifest, or a
+    lost manifest) is checked by reading every tensor, which verifies TensorFlow's per-tensor
+    checksums (and catches the partial `.index` of an interrupted save).
     """
-    if not os.path.exists(prefix + ".index"):
+    if not os.path.exists(prefix + INDEX_SUFFIX):
         return f"{prefix}.index is missing"
     path = manifest_path(prefix)
     if not os.path.exists(path):
         if not glob.glob(glob.escape(prefix) + ".data-?????-of-?????"):
             return f"{prefix} has no data file"
-        return None
+        return _read_every_tensor(prefix)
     try:
         with open(path) as f:
             entries = json.load(f)["files"]
@@ -131,30 +148,39 @@ def find_damage(prefix: str) -> str | None:
     return None
 
 
-def _state_paths(directory: str) -> list[str]:
-    """Checkpoints the `checkpoint` state file lists (empty if it is missing or unreadable)."""
+def _read_error(e: BaseException) -> str:
+    first = " ".join(str(e).split())[:200]
+    return f"reading it failed ({type(e).__name__}: {first})"
+
+
+def _read_every_tensor(prefix: str) -> str | None:
+    """Why reading checkpoint `prefix` fails (a checksum, a short file), or None."""
     try:
-        state = tf.train.get_checkpoint_state(directory)
-    except (tf.errors.OpError, ValueError, OSError):  # A garbled state file: scan instead.
-        return []
-    if state is None:
-        return []
-    paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-    return [p if os.path.isabs(p) else os.path.join(directory, p) for p in paths if p]
+        reader = tf.train.load_checkpoint(prefix)
+        for name, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype != tf.variant:  # An iterator's state: not readable here, checked at restore.
+                reader.get_tensor(name)
+    except (*_READ_ERRORS, ValueError) as e:
+        return _read_error(e)
+    return None
 
 
 def candidate_checkpoints(logdir: str) -> list[str]:
     """Checkpoint prefixes to try at restore, newest (highest step) first.
 
-    Those the state file lists, plus any `ckpt-N` with a manifest (in case the state file is lost):
-    a `ckpt-N` in neither may be a save that crashed halfway and is ignored.
+    Found from the files themselves: every `ckpt-N` with a manifest or an `.index`. The
+    `checkpoint` state file is not read (it is a cache that the first save rewrites), so a lost or
+    garbled one loses nothing. An interrupted save leaves at most a partial `.index` (TensorFlow
+    writes it last), which `find_damage` reports.
     """
     directory = checkpoint_dir(logdir)
     if not os.path.isdir(directory):
         return []
-    prefixes = set(_state_paths(directory))
-    for path in glob.glob(os.path.join(glob.escape(directory), "ckpt-*" + MANIFEST_SUFFIX)):
-        prefixes.add(path[: -len(MANIFEST_SUFFIX)])
+    prefixes = set()
+    for name in os.listdir(directory):
+        for suffix in (MANIFEST_SUFFIX, INDEX_SUFFIX):
+            if name.endswith(suffix) and _CKPT_RE.match(name[: -len(suffix)]):
+                prefixes.add(os.path.join(directory, name[: -len(suffix)]))
     return sorted(prefixes, key=_prefix_step, reverse=True)
 
 
@@ -166,6 +192,14 @@ def latest_checkpoint(logdir: str) -> str | None:
     return None
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not hold every variable of this model (another model's checkpoint)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail  # TensorFlow's first line, for a warning.
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints.
 
@@ -174,7 +208,8 @@ class Checkpointer:
       variables: name -> variable, normally `task.checkpoint_variables()`.
       iterator: the training input iterator to save with the weights, or None.
       max_to_keep: how many checkpoints to keep (>= 1).
-      warn: called with a one-line message for each damaged checkpoint skipped at restore.
+      warn: called with a one-line message for each unusable checkpoint skipped at restore and
+        for each one moved aside at the first save.
     """
 
     def __init__(self, logdir: str, variables: dict[str, tf.Variable], iterator: Any = None,
@@ -192,8 +227,9 @@ class Checkpointer:
         self._max_to_keep = max_to_keep
         self._last_saved_step: int | None = None
         self._warn = warn or (lambda msg: None)
-        self.damaged: list[str] = []  # Damaged checkpoints skipped by the last restore_latest.
-        self._good: list[str] = []  # Intact checkpoints older than (and including) the restored.
+        # Unusable (damaged or another model's) checkpoints skipped by the last restore_latest.
+        self.damaged: list[str] = []
+        self._good: list[str] = []  # Checkpoints older than (and including) the restored one.
 
     @property
     def directory(self) -> str:
@@ -202,36 +238,86 @@ class Checkpointer:
     def _get_manager(self) -> tf.train.CheckpointManager:
         # Created lazily: the manager creates its directory, and setup must not touch the logdir.
         if self._manager is None:
-            if self.damaged:
-                self._set_aside_damaged()
+            if os.path.isdir(self.directory):
+                for prefix in self.damaged:
+                    self._quarantine(prefix)
+                self.damaged = []
+                self._remove_leftovers()
+                self._rebuild_state()
             self._manager = tf.train.CheckpointManager(
                 self._checkpoint, self.directory, max_to_keep=self._max_to_keep,
                 checkpoint_name="ckpt")
         return self._manager
 
-    def _set_aside_damaged(self) -> None:
-        """Moves damaged checkpoints to `damaged/` and lists only the good ones as the state."""
-        target = os.path.join(self.directory, DAMAGED_SUBDIR)
-        os.makedirs(target, exist_ok=True)
-        for prefix in self.damaged:
-            for path in checkpoint_files(prefix) + [manifest_path(prefix)]:
-                if os.path.exists(path):
-                    os.replace(path, os.path.join(target, os.path.basename(path)))
+    def _quarantine(self, prefix: str) -> None:
+        """Moves an unusable checkpoint's files to a new `damaged/ckpt-N[.k]/` (never deleted)."""
+        files = [p for p in checkpoint_files(prefix) + [manifest_path(prefix)]
+                 if os.path.exists(p)]
+        if not files:
+            return
+        base = os.path.join(self.directory, DAMAGED_SUBDIR, os.path.basename(prefix))
+        target, copy = base, 1
+        while os.path.exists(target):  # The same step may be set aside more than once.
+            copy += 1
+            target = f"{base}.{copy}"
+        os.makedirs(target)
+        for path in files:
+            os.replace(path, os.path.join(target, os.path.basename(path)))
+        self._warn(f"moved the unusable checkpoint {prefix} ({len(files)} files) to {target}.")
+
+    def _remove_leftovers(self) -> None:
+        """Deletes what interrupted saves left: `ckpt-N_temp/`, manifest temporaries, and data
+        shards of a save that never wrote its `.index` (nor a manifest)."""
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            data = _DATA_RE.match(name)
+            if data:
+                prefix = os.path.join(self.directory, data.group(1))
+                if (os.path.exists(prefix + INDEX_SUFFIX)
+                        or os.path.exists(manifest_path(prefix))):
+                    continue
+            elif not _LEFTOVER_RE.match(name):
+                continue
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+    def _rebuild_state(self) -> None:
+        """Rewrites the `checkpoint` state file from the checkpoints found on disk.
+
+        The state is only a cache (see candidate_checkpoints), but CheckpointManager reads it: a
+        garbled one would make every save fail, and paths listed without timestamps are never
+        deleted. Listing every good checkpoint with its time lets the manager delete the oldest
+        beyond max_to_keep again.
+        """
+        state = os.path.join(self.directory, "checkpoint")
         good = sorted(self._good, key=_prefix_step)
+        if not good:
+            if os.path.exists(state):
+                os.remove(state)
+            return
+        times = []
+        for prefix in good:
+            files = [f for f in (prefix + INDEX_SUFFIX, manifest_path(prefix)) if os.path.exists(f)]
+            times.append(min((os.path.getmtime(f) for f in files), default=time.time()))
         tf.compat.v1.train.update_checkpoint_state(
-            self.directory, good[-1], all_model_checkpoint_paths=good)
-        self.damaged = []
+            self.directory, good[-1], all_model_checkpoint_paths=good,
+            all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1.0)
 
     def restore_latest(self) -> str | None:
-        """Restores the newest intact checkpoint, if any; returns its path.
+        """Restores the newest usable checkpoint, if any; returns its path.
 
-        Damaged checkpoints (see the module docstring) are skipped with a warning.
+        Damaged checkpoints (see the module docstring), and another model's checkpoints when an
+        older one fits this model, are skipped with a warning; the first save moves them aside.
 
         Raises:
-          ValueError: the checkpoint does not hold a variable of this model (the params
-            changed), or every checkpoint in the directory is damaged.
+          ValueError: no checkpoint holds every variable of this model (the params changed), or
+            every checkpoint in the directory is damaged.
         """
         candidates = candidate_checkpoints(self._logdir)
+        skipped: list[tuple[str, str]] = []  # (path, "is damaged: why"), newest first.
+        mismatch: CheckpointMismatchError | None = None
         self.damaged = []
         for i, path in enumerate(candidates):
             reason = find_damage(path)
@@ -239,33 +325,47 @@ class Checkpointer:
                 try:
                     self.restore(path)
                 except _READ_ERRORS as e:
-                    first = " ".join(str(e).split())[:200]
-                    reason = f"reading it failed ({type(e).__name__}: {first})"
+                    reason = _read_error(e)
+                except CheckpointMismatchError as e:
+                    mismatch = mismatch or e
+                    skipped.append((path, f"is unusable: it does not match this model "
+                                          f"({e.detail})"))
+                    continue
                 else:
+                    for old, why in skipped:
+                        self._warn(f"checkpoint {old} {why}. Falling back to the previous "
+                                   "checkpoint; this one will be moved to "
+                                   f"{os.path.join(self.directory, DAMAGED_SUBDIR)}.")
+                    self.damaged = [old for old, _ in skipped]
                     self._good = candidates[i:]
                     return path
-            self.damaged.append(path)
-            self._warn(f"checkpoint {path} is damaged: {reason}. Falling back to the previous "
-                       "checkpoint; the damaged one will be moved to "
-                       f"{os.path.join(self.directory, DAMAGED_SUBDIR)}.")
-        if self.damaged:
+            skipped.append((path, f"is damaged: {reason}"))
+        if mismatch is not None:
+            raise mismatch  # Most likely the params changed: nothing here fits this model.
+        if skipped:
+            for old, why in skipped:
+                self._warn(f"checkpoint {old} {why}.")
             raise ValueError(
-                f"every checkpoint in {self.directory} is damaged ({len(self.damaged)} tried, "
+                f"every checkpoint in {self.directory} is damaged ({len(skipped)} tried, "
                 "see the warnings); move that directory aside to train from scratch, or restore "
                 "it from a backup.")
         return None
 
     def restore(self, path: str) -> None:
-        """Restores `path`; every variable of the model must be found in it."""
+        """Restores `path`; every variable of the model must be found in it.
+
+        Raises:
+          CheckpointMismatchError: it lacks a variable of this model or holds another shape.
+        """
         try:
             status = self._checkpoint.restore(path)
             status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as e:
             first = str(e).strip().splitlines()[0][:300]
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"Checkpoint {path} does not match this model ({first}). Were the model params "
                 "changed? Use a new --logdir, or the params the run was started with "
-                "(see params.txt in the logdir).") from None
+                "(see params.txt in the logdir).", first) from None
         if self._partial:
             status.expect_partial()
         self._last_saved_step = checkpoint_step(path)
@@ -280,10 +380,11 @@ class Checkpointer:
             return None
         manager = self._get_manager()
         path = manager.save(checkpoint_number=step)
+        interrupts.maybe_signal_self(f"saving:{step}")
         write_manifest(path)
         for stale in glob.glob(os.path.join(glob.escape(self.directory),
                                             "ckpt-*" + MANIFEST_SUFFIX)):
-            if not os.path.exists(stale[: -len(MANIFEST_SUFFIX)] + ".index"):
+            if not os.path.exists(stale[: -len(MANIFEST_SUFFIX)] + INDEX_SUFFIX):
                 os.remove(stale)
         self._last_saved_step = step
         return path

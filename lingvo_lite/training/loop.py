@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import tensorflow as tf
 
 from lingvo_lite import base_task, hyperparams
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.training import checkpointer, summaries
+from lingvo_lite.training import checkpointer, interrupts, summaries
 from lingvo_lite.training.options import TrainingError
 
 TRAIN_SUBDIR = "train"
@@ -73,9 +74,14 @@ def _numpy_metrics(metrics: NestedMap) -> dict[str, float]:
 # Evaluation.
 
 
+class EvalStoppedError(Exception):
+    """An evaluation abandoned because the run received SIGINT/SIGTERM."""
+
+
 def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
                    max_batches: int = 0,
-                   eval_step: Callable[[NestedMap], NestedMap] | None = None) -> dict[str, Any]:
+                   eval_step: Callable[[NestedMap], NestedMap] | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """One evaluation pass: the batch-size-weighted mean of every EvalStep metric.
 
     Args:
@@ -83,6 +89,7 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
       input_params: input params of the split (`repeat` should be False).
       max_batches: stop after this many batches; 0 = the whole split.
       eval_step: a compiled `task.EvalStep` to reuse; one is made when None.
+      should_stop: checked before each batch; when it returns True, raises EvalStoppedError.
 
     Returns:
       metric name -> mean, plus `num_examples_evaluated` and `num_batches` (ints).
@@ -95,6 +102,8 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
     for batch in input_params.Instantiate().dataset():
         if max_batches and num_batches >= max_batches:
             break
+        if should_stop is not None and should_stop():
+            raise EvalStoppedError()
         size = _batch_size(batch)
         for k, v in _numpy_metrics(eval_step(batch)).items():
             sums[k] = sums.get(k, 0.0) + size * v
@@ -149,6 +158,14 @@ def check_train_params(tp: hyperparams.Params) -> None:
             raise ValueError(
                 f"train.{name}={value!r} must be an int >= {minimum}; set it with "
                 f"--model_params_override='train.{name} : <int>'.")
+    if "learning_rate" in tp:
+        lr = tp.learning_rate
+        if (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                or lr < 0):
+            raise ValueError(
+                f"train.learning_rate={lr!r} must be a finite number >= 0 (a negative one "
+                "climbs the loss); set it with --model_params_override='train.learning_rate : "
+                "<float>'.")
 
 
 @dataclasses.dataclass
@@ -211,6 +228,7 @@ class Trainer:
         self.profiler = None  # A profiling.StepProfiler, set by the runner for --profile_steps.
         self._warned_trace_count = 1
         self._pending_batch: NestedMap | None = first_batch
+        self._signals: interrupts.StopSignals | None = None  # Set while `run` trains.
         self._eval_step = compile_step(task.EvalStep)
 
         def train_step(batch: NestedMap) -> NestedMap:
@@ -262,6 +280,7 @@ class Trainer:
             logdir, variables, iterator if strategy is None else None,
             max_to_keep=task.params.train.max_checkpoints_to_keep, warn=warn)
         restored = ckpt.restore_latest()
+        interrupts.maybe_signal_self("setup")
         task.sync_replicas()  # Data-parallel replicas start from the restored weights.
         try:
             first_batch = next(iterator)
@@ -298,7 +317,7 @@ class Trainer:
         writers.text(TRAIN_SUBDIR, step, "model_analysis", self._analysis_text)
 
     def run(self) -> int:
-        """Trains to `train.max_steps`; returns the process exit status (0 on success)."""
+        """Trains to `train.max_steps`; returns the exit status (0, or 128 + SIGINT/SIGTERM)."""
         tp = self.task.params.train
         max_steps = tp.max_steps
         step = self.global_step
@@ -312,78 +331,96 @@ class Trainer:
             self._print(f"Resuming training from step {step} to step {max_steps}.")
         else:
             self._print(f"Training from scratch to step {max_steps}.")
-        writers = summaries.SummaryWriters(self._logdir)
+        writers = summaries.SummaryWriters(self._logdir, first_step=step + 1)
         try:
-            self._write_run_files(writers, step)
-            return self._loop(writers, step, max_steps)
+            with interrupts.StopSignals() as self._signals:
+                self._write_run_files(writers, step)
+                return self._loop(writers, step, max_steps, self._signals)
         finally:
             writers.close()
 
-    def _loop(self, writers: summaries.SummaryWriters, step: int, max_steps: int) -> int:
+    def _loop(self, writers: summaries.SummaryWriters, step: int, max_steps: int,
+              signals: interrupts.StopSignals) -> int:
         tp = self.task.params.train
         rate = _Rate(step)
         steps_per_sec = float("nan")
         first = True
         last_eval_step = None
         streak = 0  # Consecutive steps whose update was skipped (non-finite loss or gradients).
-        try:
-            while step < max_steps:
-                try:
-                    batch = self._next_batch()
-                except StopIteration:
-                    self._print(f"The train input ran out of data at step {step}; set its "
-                                "repeat=True to train for max_steps.")
-                    break
-                if self.profiler is not None:
-                    with self.profiler.step(step + 1, writers):
-                        metrics = self._train_step(batch)
-                else:
+        while step < max_steps:
+            if signals.requested is not None:
+                # Here, before the next fetch, the weights and the input position match.
+                return self._stop(step, writers, signals)
+            try:
+                batch = self._next_batch()
+            except StopIteration:
+                self._print(f"The train input ran out of data at step {step}; set its "
+                            "repeat=True to train for max_steps.")
+                break
+            if self.profiler is not None:
+                with self.profiler.step(step + 1, writers):
                     metrics = self._train_step(batch)
-                step += 1
-                rate.add_examples(_batch_size(batch, self._strategy))
-                streak = self._check_finite(metrics, step, streak)
-                if first:
-                    # The first call also optimises the graph: keep it out of the rates.
-                    first = False
-                    float(metrics.loss)
-                    rate.reset(step)
-                self._check_retrace()
-                at_end = step == max_steps
-                summarize = step % max(tp.summary_interval_steps, 1) == 0 or at_end
-                log = step % max(tp.log_interval_steps, 1) == 0 or at_end
-                if summarize or log:
-                    values = _numpy_metrics(metrics)
-                    values["skipped_updates"] = float(self._skipped_updates.numpy())
-                    if rate.has_steps(step):
-                        steps_per_sec, examples_per_sec = rate.measure(step)
-                        values.update(steps_per_sec=steps_per_sec,
-                                      examples_per_sec=examples_per_sec)
-                    if summarize:
-                        writers.scalars(TRAIN_SUBDIR, step, values)
-                    if log:
-                        self._progress(step, max_steps, values, steps_per_sec)
-                paused = False
-                # No periodic checkpoint while updates are being skipped: the last one then
-                # predates the non-finite steps.
-                if tp.save_interval_steps and step % tp.save_interval_steps == 0 and not streak:
-                    self._save(step, writers)
-                    paused = True
-                if (self._eval_spec and tp.eval_interval_steps
-                        and step % tp.eval_interval_steps == 0):
-                    self.evaluate(writers, step)
-                    last_eval_step = step
-                    paused = True
-                if paused:
-                    rate.reset(step)  # Saving and evaluating are not training time.
-        except KeyboardInterrupt:
-            self._save(self.global_step, writers)
-            self._print(f"Interrupted at step {self.global_step}; checkpoint saved.")
-            return 130
+            else:
+                metrics = self._train_step(batch)
+            step += 1
+            rate.add_examples(_batch_size(batch, self._strategy))
+            streak = self._check_finite(metrics, step, streak)
+            if first:
+                # The first call also optimises the graph: keep it out of the rates.
+                first = False
+                float(metrics.loss)
+                rate.reset(step)
+            self._check_retrace()
+            at_end = step == max_steps
+            summarize = step % max(tp.summary_interval_steps, 1) == 0 or at_end
+            log = step % max(tp.log_interval_steps, 1) == 0 or at_end
+            if summarize or log:
+                values = _numpy_metrics(metrics)
+                values["skipped_updates"] = float(self._skipped_updates.numpy())
+                if rate.has_steps(step):
+                    steps_per_sec, examples_per_sec = rate.measure(step)
+                    values.update(steps_per_sec=steps_per_sec,
+                                  examples_per_sec=examples_per_sec)
+                if summarize:
+                    writers.scalars(TRAIN_SUBDIR, step, values)
+                if log:
+                    self._progress(step, max_steps, values, steps_per_sec)
+            paused = False
+            # No periodic checkpoint while updates are being skipped: the last one then
+            # predates the non-finite steps.
+            if tp.save_interval_steps and step % tp.save_interval_steps == 0 and not streak:
+                self._save(step, writers)
+                paused = True
+            if (self._eval_spec and tp.eval_interval_steps
+                    and step % tp.eval_interval_steps == 0):
+                self.evaluate(writers, step)
+                last_eval_step = step
+                paused = True
+            if paused:
+                rate.reset(step)  # Saving and evaluating are not training time.
         self._save(step, writers)
-        if self._eval_spec and last_eval_step != step:
+        if signals.requested is None and self._eval_spec and last_eval_step != step:
             self.evaluate(writers, step)
+        if signals.requested is not None:
+            return self._stop(step, writers, signals)
         self._print(f"Done: global step {step}. Checkpoints in {self._ckpt.directory}.")
         return 0
+
+    def _stop(self, step: int, writers: summaries.SummaryWriters,
+              signals: interrupts.StopSignals) -> int:
+        """Saves at `step` after SIGINT/SIGTERM; returns the exit status 128 + signal."""
+        name = interrupts.signal_name(signals.requested)
+        self._print(f"Received {name}: saving a checkpoint at step {step}.")
+        if self.profiler is not None:
+            self.profiler.stop(writers, step)  # Keeps the steps captured so far.
+        self._save(step, writers)
+        others = sorted({interrupts.signal_name(s) for s in signals.received[1:]})
+        if others:
+            self._print(f"Note: {', '.join(others)} received again while stopping; ignored "
+                        "until the checkpoint was complete.")
+        self._print(f"Interrupted by {name} at step {step}; checkpoint saved. Rerun the same "
+                    "command to resume.")
+        return interrupts.exit_status(signals.requested)
 
     def _check_finite(self, metrics: NestedMap, step: int, streak: int) -> int:
         """Counts a skipped update (TrainStep's `update_skipped`); returns the new streak.
@@ -413,8 +450,11 @@ class Trainer:
     def _next_batch(self) -> NestedMap:
         if self._pending_batch is not None:
             batch, self._pending_batch = self._pending_batch, None
-            return batch
-        return next(self._iterator)
+        else:
+            batch = next(self._iterator)
+        if interrupts.TEST_SIGNAL_ENV in os.environ:  # Spares the step read otherwise.
+            interrupts.maybe_signal_self(f"fetched:{self.global_step + 1}")
+        return batch
 
     def _check_retrace(self) -> None:
         if self.trace_count > self._warned_trace_count:
@@ -442,9 +482,16 @@ class Trainer:
     def evaluate(self, writers: summaries.SummaryWriters, step: int) -> dict[str, dict]:
         """Evaluates every split of the eval spec on the current weights and records it."""
         results = {}
+        signals = self._signals
         for split, params in self._eval_spec.splits.items():
-            metrics = evaluate_split(self.task, params, self._eval_spec.max_batches,
-                                     self._eval_step)
+            try:
+                # A stop signal abandons the evaluation: a preemption's grace period is short.
+                metrics = evaluate_split(
+                    self.task, params, self._eval_spec.max_batches, self._eval_step,
+                    should_stop=lambda: signals is not None and signals.requested is not None)
+            except EvalStoppedError:
+                self._print(f"eval {split} @ step {step}: abandoned (stop signal received).")
+                break
             write_eval_results(self._logdir, split, step, metrics, writers)
             self._print(f"eval {split} @ step {step}: " + _inline(metrics))
             results[split] = metrics

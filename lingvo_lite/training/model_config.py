@@ -215,7 +215,31 @@ def build_model_config(options: RunOptions) -> ModelConfig:
                              "input params.")
         _apply_text(task_params.input, options.input_params_override, "input_params_override")
     _apply_flags(task_params, options)
+    check_settable_params(task_params)
     return ModelConfig(name=options.model, model_params=model_params, task_params=task_params)
+
+
+def check_settable_params(task_params: hyperparams.Params) -> None:
+    """Checks params whose library errors would name an internal argument (`method=`,
+    `SyntheticInput: batch_size`); raises UsageError naming the dotted param the user sets."""
+    from lingvo_lite.pipeline import partition, pipelining_layer
+
+    choices = {"partition_method": partition.METHODS,
+               "partition_cost": pipelining_layer.PARTITION_COSTS}
+    for path, pp in iter_pipelining_params(task_params):
+        for name, valid in choices.items():
+            value = pp.Get(name)
+            if value not in valid:
+                raise UsageError(
+                    f"{path}.{name}={value!r} is unknown; use one of {', '.join(valid)}, e.g. "
+                    f"--model_params_override=\"{path}.{name} : '{valid[0]}'\".")
+    inp = task_params.input
+    if inp is not None and "batch_size" in inp:
+        size = inp.batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UsageError(
+                f"input.batch_size={size!r} must be an int >= 1; set it with "
+                "--input_params_override='batch_size : <int>'.")
 
 
 def list_models_text(modules: list[str] | tuple[str, ...] = ()) -> str:

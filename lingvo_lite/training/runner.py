@@ -11,13 +11,15 @@ Each invocation has two phases:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from lingvo_lite.training import model_config
+from lingvo_lite.training import interrupts, model_config
 from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
 
 if TYPE_CHECKING:
@@ -41,11 +43,22 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
     except USER_ERRORS as e:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
         return 1
+    except KeyboardInterrupt as e:
+        return _interrupted(e, " during setup", err)
     try:
         return job()
     except TrainingError as e:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
         return 1
+    except KeyboardInterrupt as e:  # Outside the training loop, which saves and returns.
+        return _interrupted(e, "", err)
+
+
+def _interrupted(e: KeyboardInterrupt, when: str, err: TextIO) -> int:
+    signum = e.signum if isinstance(e, interrupts.Interrupted) else signal.SIGINT
+    print(f"trainer.py: interrupted by {interrupts.signal_name(signum)}{when}; nothing was "
+          "saved.", file=err, flush=True)
+    return interrupts.exit_status(signum)
 
 
 def _printer(text: str, out: TextIO) -> Job:
@@ -332,16 +345,25 @@ def _finished(logdir: str, max_steps: int) -> bool:
 def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
     """Takes the logdir lock, runs `prepare_job`; the returned job releases the lock at its end.
 
-    The lock is also released when setup fails (and a logdir it created is removed if empty).
+    The lock is also released when setup fails or is interrupted (and a logdir it created is
+    removed if empty).
     """
     from lingvo_lite.training import logdir_lock
 
+    # While the lock is held, SIGTERM raises like SIGINT (the default would kill the process and
+    # leave the lock behind); the training loop itself stops at a step boundary instead.
+    signals = contextlib.ExitStack()
+    signals.enter_context(interrupts.raise_on_signals())
     lock = logdir_lock.LogdirLock(logdir)
-    lock.acquire(note=lambda msg: print(f"trainer.py: note: {msg}", file=err, flush=True))
     try:
-        job = prepare_job()
+        lock.acquire(note=lambda msg: print(f"trainer.py: note: {msg}", file=err, flush=True))
+        try:
+            job = prepare_job()
+        except BaseException:
+            lock.release()
+            raise
     except BaseException:
-        lock.release()
+        signals.close()
         raise
 
     def locked_job() -> int:
@@ -349,6 +371,7 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
             return job()
         finally:
             lock.release()
+            signals.close()
 
     return locked_job
 
@@ -381,7 +404,14 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         from lingvo_lite.training import profiling
 
         first, last = profiling.parse_profile_steps(options.profile_steps)
-        trainer.profiler = profiling.StepProfiler(logdir, first, min(last, max_steps))
+        start = trainer.global_step + 1
+        if first < start or last > max_steps:
+            what = ("none of them" if last < start or first > max_steps else
+                    f"only steps {max(first, start)}..{min(last, max_steps)}")
+            print(f"trainer.py: warning: --profile_steps={options.profile_steps} asks for steps "
+                  f"this run does not train (it trains steps {start}..{max_steps}); "
+                  f"{what} will be profiled.", file=err, flush=True)
+        trainer.profiler = profiling.StepProfiler(logdir, max(first, start), min(last, max_steps))
     return trainer.run
 
 
