@@ -381,7 +381,10 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         from lingvo_lite.training import profiling
 
         first, last = profiling.parse_profile_steps(options.profile_steps)
-        trainer.profiler = profiling.StepProfiler(logdir, first, min(last, max_steps))
+        trainer.profiler = profiling.StepProfiler(
+            logdir, first, min(last, max_steps),
+            description=profiling.PipelineDescription.from_task_params(config.name, task_params),
+            out=out)
     return trainer.run
 
 

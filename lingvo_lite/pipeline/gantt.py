@@ -1,0 +1,237 @@
+"""The pipeline's Gantt chart as a matplotlib figure: measured, predicted and the breakdown.
+
+One figure, top to bottom:
+  - the measured step: one row per device, time in milliseconds since the first pipeline op,
+    each action phase a box coloured by phase (forward, recompute, backward, weight gradient)
+    spanning its first op start to its last op end, drawn light where no op of it ran and solid
+    where its ops ran; grey where the device is idle; the micro-batch number inside the box when
+    it fits (turned upright in narrow boxes);
+  - optionally the schedule's predicted timeline (`ideal_timeline`) on the same time axis, so
+    idle time that the prediction shares is the schedule's bubble and the rest is not;
+  - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
+
+The figure is a plain `matplotlib.figure.Figure` on the Agg canvas: no pyplot state and no
+display. Artists carry gids (`timeline.box_name(box)`, '<name> label', 'idle device k',
+'breakdown <part>') so tests and tools can find them; axes carry labels 'measured',
+'predicted' and 'breakdown'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from lingvo_lite.pipeline import timeline
+
+WEIGHT_GRADIENT = "W"  # Drawn once the executor splits weight gradients from the backward.
+PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
+               timeline.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}
+PHASE_COLORS = {timeline.FORWARD: "#3b78e7", timeline.RECOMPUTE: "#2e9e4f",
+                timeline.BACKWARD: "#f08a00", WEIGHT_GRADIENT: "#9c4fd6"}
+IDLE_COLOR = "#e4e4e4"
+BREAKDOWN_PARTS = {"setup": "setup", "compute": "compute", "recompute": "recompute",
+                   "load_imbalance": "load imbalance", "bubble": "bubble",
+                   "weight_update": "weight update"}
+BREAKDOWN_COLORS = {"setup": "#9e9e9e", "compute": "#3b78e7", "recompute": "#2e9e4f",
+                    "load_imbalance": "#d93025", "bubble": "#fbbc04",
+                    "weight_update": "#6d4c41"}
+
+FIGURE_WIDTH_IN = 12.0
+DPI = 100
+ROW_HEIGHT_IN = 0.42  # Per device: TensorBoard shows the image smaller than this draws it.
+BAR_HEIGHT = 0.8  # Of a row.
+LABEL_FONT_PT = 10.0
+NARROW_LABEL_FONT_PT = 7.5
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What the chart's title says about the run."""
+
+    model: str
+    num_cells: int
+    num_micro_batches: int
+    schedule: str
+    remat: str
+    step_ms: float
+
+    def title(self) -> str:
+        return (f"{self.model}: K={self.num_cells} devices, T={self.num_micro_batches} "
+                f"micro-batches, schedule {self.schedule}, remat {self.remat}, "
+                f"step {self.step_ms:.1f} ms")
+
+
+def phases_present(boxes: Sequence[timeline.Box]) -> list[str]:
+    """The phases of `boxes`, in PHASE_NAMES order."""
+    present = {b.phase for b in boxes}
+    return [p for p in PHASE_NAMES if p in present]
+
+
+def device_idle_fraction(boxes: Sequence[timeline.Box], cell: int, start_ns: int,
+                         end_ns: int) -> float:
+    """Share of [start_ns, end_ns) during which no op of `cell` ran."""
+    runs = [seg for b in boxes if b.cell == cell
+            for seg in (b.segments or ((b.start_ns, b.end_ns),))]
+    return 1.0 - timeline.union_ns(runs) / max(end_ns - start_ns, 1)
+
+
+def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int,
+                   span_ms: float) -> None:
+    """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
+
+    The axis spans `span_ms` (shared by the panels); idle shares are of these boxes' own span.
+    """
+    end_ns = max(b.end_ns for b in boxes)
+    for k in range(num_cells):
+        ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
+    for b in boxes:
+        color = PHASE_COLORS.get(b.phase, "#777777")
+        start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
+        ax.barh(b.cell, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
+                edgecolor="white", linewidth=0.6, gid=timeline.box_name(b))
+        segments = [((s - t0_ns) / 1e6, (e - s) / 1e6) for s, e in b.segments]
+        if segments:
+            ax.broken_barh(segments, (b.cell - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
+                           edgecolor="white", linewidth=0.4, gid=f"{timeline.box_name(b)} busy")
+    ax.set_ylim(num_cells - 0.5, -0.5)  # Device 0 on top.
+    ax.set_yticks(range(num_cells))
+    ax.set_yticklabels([
+        f"device {k}\nidle {100 * device_idle_fraction(boxes, k, t0_ns, end_ns):.0f}%"
+        for k in range(num_cells)], fontsize=10)
+    ax.set_xlim(0.0, span_ms)
+    ax.set_xlabel("time since the first pipeline op (ms)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=10)
+    ax.tick_params(axis="y", length=0)
+    ax.grid(axis="x", color="white", linewidth=0.8)
+    ax.set_axisbelow(False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _label_boxes(ax, boxes: Sequence[timeline.Box], t0_ns: int) -> None:
+    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them."""
+    px_per_ms = ax.transData.transform((1.0, 0.0))[0] - ax.transData.transform((0.0, 0.0))[0]
+    row_px = abs(ax.transData.transform((0.0, BAR_HEIGHT))[1]
+                 - ax.transData.transform((0.0, 0.0))[1])
+    pt_to_px = DPI / 72.0
+    for b in boxes:
+        label = str(b.micro_batch)
+        width_px = (b.end_ns - b.start_ns) / 1e6 * px_per_ms
+        placement = None
+        for size, rotation in ((LABEL_FONT_PT, 0), (NARROW_LABEL_FONT_PT, 90)):
+            # A digit advances ~0.6 em and stands ~0.75 em tall.
+            along = 0.62 * size * pt_to_px * len(label) + 3
+            across = 0.75 * size * pt_to_px + 1.5
+            room_along, room_across = (width_px, row_px) if rotation == 0 else (row_px, width_px)
+            if along <= room_along and across <= room_across:
+                placement = size, rotation
+                break
+        if placement is None:
+            continue
+        center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
+        ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
+                rotation=placement[1], color="black", gid=f"{timeline.box_name(b)} label",
+                clip_on=True)
+
+
+def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
+    left = 0.0
+    for part, name in BREAKDOWN_PARTS.items():
+        share = 100.0 * float(getattr(breakdown, part))
+        ax.barh(0, share, left=left, height=0.8, color=BREAKDOWN_COLORS[part],
+                label=f"{name} {share:.0f}%", gid=f"breakdown {part}")
+        if share >= 7.0:
+            ax.text(left + share / 2, 0, f"{name}\n{share:.0f}%", ha="center", va="center",
+                    fontsize=9, color="white" if part != "bubble" else "black")
+        left += share
+    ax.set_xlim(0, 100)
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel("share of the step time (%)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=10)
+    ax.set_title(f"Where the {breakdown.step_ns / 1e6:.1f} ms step went (GPipe Figure 4)",
+                 fontsize=11, loc="left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=len(BREAKDOWN_PARTS),
+              fontsize=9, frameon=False)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
+                 predicted: Sequence[timeline.Box] | None = None,
+                 breakdown: timeline.Breakdown | None = None) -> Figure:
+    """The chart of one step's `measured` boxes (see the module docstring).
+
+    Args:
+      measured: the boxes of one step (`timeline.boxes_from_events`).
+      info: the title's facts; `info.num_cells` rows are drawn.
+      predicted: the schedule's prediction (`ideal_timeline.predict_from_measured`), drawn
+        under the measured step on the same axis.
+      breakdown: the step's Figure 4 breakdown, drawn at the bottom.
+    """
+    if not measured:
+        raise ValueError("gantt_figure needs at least one box; was a pipeline step profiled?")
+    num_cells = max(info.num_cells, 1 + max(b.cell for b in measured))
+    t0_ns = min(b.start_ns for b in measured)
+    measured_ms = (max(b.end_ns for b in measured) - t0_ns) / 1e6
+    span_ms = measured_ms
+    if predicted:
+        predicted_ms = max(b.end_ns for b in predicted) / 1e6
+        span_ms = max(span_ms, predicted_ms)
+    panels = [("measured", num_cells * ROW_HEIGHT_IN + 0.3)]
+    if predicted:
+        panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.3))
+    if breakdown is not None:
+        panels.append(("breakdown", 0.55))
+    height_in = sum(h for _, h in panels) + 0.75 * len(panels) + 0.9
+    fig = Figure(figsize=(FIGURE_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [h for _, h in panels]})[:, 0]
+    fig.suptitle(info.title(), fontsize=13, fontweight="bold")
+    by_label = {}
+    for ax, (label, _) in zip(axes, panels):
+        ax.set_label(label)
+        by_label[label] = ax
+    ax = by_label["measured"]
+    _draw_timeline(ax, measured, num_cells, t0_ns, span_ms)
+    ax.set_title(f"Measured: {measured_ms:.1f} ms from the first to the last pipeline op",
+                 fontsize=11, loc="left")
+    handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p]) for p in phases_present(measured)]
+    handles.append(Patch(color=IDLE_COLOR, label="idle"))
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              fontsize=10, frameon=False, borderaxespad=0.2)
+    if predicted:
+        ax = by_label["predicted"]
+        _draw_timeline(ax, predicted, num_cells, 0, span_ms)
+        ax.set_title(f"Predicted by the {info.schedule} schedule with the measured mean "
+                     f"durations: {predicted_ms:.1f} ms (idle time beyond this: runtime waits)",
+                     fontsize=11, loc="left")
+    if breakdown is not None:
+        _draw_breakdown(by_label["breakdown"], breakdown)
+    fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.
+    _label_boxes(by_label["measured"], measured, t0_ns)
+    if predicted:
+        _label_boxes(by_label["predicted"], predicted, 0)
+    return fig
+
+
+def render_rgb(fig: Figure) -> np.ndarray:
+    """The figure as an RGB uint8 array [height, width, 3] (for `tf.summary.image`)."""
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def render_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
