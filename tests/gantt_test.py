@@ -134,16 +134,19 @@ class GanttFigureTest(unittest.TestCase):
             sched = schedule.make_schedule("gpipe", K, T)
             durations = {(k, p): d * MS for k in range(K) for p, d in (("F", 1), ("B", 2))}
             boxes = ideal_timeline.predict_boxes(sched, durations)
-            info = gantt.StepInfo("M", K, T, "gpipe", "never", 1.0)
-            image = gantt.render_rgb(gantt.gantt_figure(boxes, info, predicted=boxes))
+            fig = gantt.gantt_figure(boxes, gantt.StepInfo("M", K, T, "gpipe", "never", 1.0))
+            image = gantt.render_rgb(fig)
             self.assertEqual(np.uint8, image.dtype)
             self.assertEqual(gantt.FIGURE_WIDTH_IN * gantt.DPI, image.shape[1])
             heights[K] = image.shape[0]
-            ax = _axes(gantt.gantt_figure(boxes, info), "measured")
-            labelled = [t for t in ax.texts if (t.get_gid() or "").endswith(" label")]
-            # Backward boxes (2 ms of 2 x (T+K-1) x 3 ms) are wide enough to carry a label.
-            self.assertGreaterEqual(len(labelled), K * T, msg=f"K={K}, T={T}")
-        self.assertGreater(heights[8], 2 * heights[2])
+            labels = {t.get_gid() for t in _axes(fig, "measured").texts}
+            # Every micro-batch is labelled on every device, at least in its backward box.
+            for k in range(K):
+                for t in range(T):
+                    self.assertTrue({f"F cell {k} mb {t} label", f"B cell {k} mb {t} label"}
+                                    & labels, msg=f"K={K}, T={T}, cell {k}, mb {t}")
+        # Six more devices: six more rows, each tall enough for a line of text (30 px).
+        self.assertGreaterEqual(heights[8] - heights[2], 6 * 30)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,17 @@ BREAKDOWN_COLORS = {"setup": "#9e9e9e", "compute": "#3b78e7", "recompute": "#2e9
                     "load_imbalance": "#d93025", "bubble": "#fbbc04",
                     "weight_update": "#6d4c41"}
 
-FIGURE_WIDTH_IN = 12.0
-DPI = 100
-ROW_HEIGHT_IN = 0.42  # Per device: TensorBoard shows the image smaller than this draws it.
+# TensorBoard shows an image card about 350 pixels wide (full size on request): a figure of
+# paper-column width with ordinary font sizes, drawn at 150 dpi (900 pixels), keeps its text
+# readable at that size and its details at full size.
+FIGURE_WIDTH_IN = 6.0
+DPI = 150
+ROW_HEIGHT_IN = 0.3  # Per device: the figure's height grows with K.
 BAR_HEIGHT = 0.8  # Of a row.
-LABEL_FONT_PT = 10.0
-NARROW_LABEL_FONT_PT = 7.5
+FONT_PT = 8.5
+TITLE_FONT_PT = 10.0
+LABEL_FONT_PT = 8.0
+NARROW_LABEL_FONT_PT = 6.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +66,9 @@ class StepInfo:
     step_ms: float
 
     def title(self) -> str:
-        return (f"{self.model}: K={self.num_cells} devices, T={self.num_micro_batches} "
-                f"micro-batches, schedule {self.schedule}, remat {self.remat}, "
-                f"step {self.step_ms:.1f} ms")
+        return (f"{self.model}: step {self.step_ms:.1f} ms\nK={self.num_cells} devices, "
+                f"T={self.num_micro_batches} micro-batches, schedule {self.schedule}, "
+                f"remat {self.remat}")
 
 
 def phases_present(boxes: Sequence[timeline.Box]) -> list[str]:
@@ -102,10 +107,10 @@ def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int
     ax.set_yticks(range(num_cells))
     ax.set_yticklabels([
         f"device {k}\nidle {100 * device_idle_fraction(boxes, k, t0_ns, end_ns):.0f}%"
-        for k in range(num_cells)], fontsize=10)
+        for k in range(num_cells)], fontsize=FONT_PT)
     ax.set_xlim(0.0, span_ms)
-    ax.set_xlabel("time since the first pipeline op (ms)", fontsize=10)
-    ax.tick_params(axis="x", labelsize=10)
+    ax.set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
     ax.tick_params(axis="y", length=0)
     ax.grid(axis="x", color="white", linewidth=0.8)
     ax.set_axisbelow(False)
@@ -113,30 +118,48 @@ def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int
         ax.spines[side].set_visible(False)
 
 
+def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float, int] | None:
+    """(font size, rotation) that fits `label` inside a box of that size, None if none does."""
+    pt_to_px = DPI / 72.0
+    for size, rotation in ((LABEL_FONT_PT, 0), (NARROW_LABEL_FONT_PT, 90)):
+        # A digit advances ~0.6 em and stands ~0.75 em tall.
+        along = 0.62 * size * pt_to_px * len(label) + 3
+        across = 0.75 * size * pt_to_px + 1.5
+        room_along, room_across = (width_px, row_px) if rotation == 0 else (row_px, width_px)
+        if along <= room_along and across <= room_across:
+            return size, rotation
+    return None
+
+
 def _label_boxes(ax, boxes: Sequence[timeline.Box], t0_ns: int) -> None:
-    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them."""
+    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
+
+    Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
+    that may cover its neighbours, n the smallest power of two that leaves room for it.
+    """
     px_per_ms = ax.transData.transform((1.0, 0.0))[0] - ax.transData.transform((0.0, 0.0))[0]
     row_px = abs(ax.transData.transform((0.0, BAR_HEIGHT))[1]
                  - ax.transData.transform((0.0, 0.0))[1])
-    pt_to_px = DPI / 72.0
+    widths = {b: (b.end_ns - b.start_ns) / 1e6 * px_per_ms for b in boxes}
+    needed_px = 0.62 * LABEL_FONT_PT * DPI / 72.0 * 2 + 6  # Two digits and a margin.
+    typical_px = float(np.median(list(widths.values())))
+    stride = 2
+    while stride * typical_px < needed_px and stride < 64:
+        stride *= 2
     for b in boxes:
         label = str(b.micro_batch)
-        width_px = (b.end_ns - b.start_ns) / 1e6 * px_per_ms
-        placement = None
-        for size, rotation in ((LABEL_FONT_PT, 0), (NARROW_LABEL_FONT_PT, 90)):
-            # A digit advances ~0.6 em and stands ~0.75 em tall.
-            along = 0.62 * size * pt_to_px * len(label) + 3
-            across = 0.75 * size * pt_to_px + 1.5
-            room_along, room_across = (width_px, row_px) if rotation == 0 else (row_px, width_px)
-            if along <= room_along and across <= room_across:
-                placement = size, rotation
-                break
-        if placement is None:
-            continue
         center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
-        ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
-                rotation=placement[1], color="black", gid=f"{timeline.box_name(b)} label",
-                clip_on=True)
+        placement = _label_placement(label, widths[b], row_px)
+        if placement is not None:
+            ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
+                    rotation=placement[1], color="black", gid=f"{timeline.box_name(b)} label",
+                    clip_on=True)
+        elif b.micro_batch % stride == 0 and b.phase != timeline.RECOMPUTE:
+            ax.text(center_ms, b.cell, label, ha="center", va="center",
+                    fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
+                    gid=f"{timeline.box_name(b)} label",
+                    bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
+                          "edgecolor": "none", "alpha": 0.85})
 
 
 def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
@@ -145,19 +168,19 @@ def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
         share = 100.0 * float(getattr(breakdown, part))
         ax.barh(0, share, left=left, height=0.8, color=BREAKDOWN_COLORS[part],
                 label=f"{name} {share:.0f}%", gid=f"breakdown {part}")
-        if share >= 7.0:
-            ax.text(left + share / 2, 0, f"{name}\n{share:.0f}%", ha="center", va="center",
-                    fontsize=9, color="white" if part != "bubble" else "black")
+        if share >= 6.0:
+            ax.text(left + share / 2, 0, f"{share:.0f}%", ha="center", va="center",
+                    fontsize=FONT_PT, color="white" if part != "bubble" else "black")
         left += share
     ax.set_xlim(0, 100)
     ax.set_ylim(-0.5, 0.5)
     ax.set_yticks([])
-    ax.set_xlabel("share of the step time (%)", fontsize=10)
-    ax.tick_params(axis="x", labelsize=10)
+    ax.set_xlabel("share of the step time (%)", fontsize=FONT_PT)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
     ax.set_title(f"Where the {breakdown.step_ns / 1e6:.1f} ms step went (GPipe Figure 4)",
-                 fontsize=11, loc="left")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=len(BREAKDOWN_PARTS),
-              fontsize=9, frameon=False)
+                 fontsize=FONT_PT + 0.5, loc="left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -1.1), ncol=3, fontsize=FONT_PT,
+              frameon=False)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
 
@@ -183,35 +206,35 @@ def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
     if predicted:
         predicted_ms = max(b.end_ns for b in predicted) / 1e6
         span_ms = max(span_ms, predicted_ms)
-    panels = [("measured", num_cells * ROW_HEIGHT_IN + 0.3)]
+    panels = [("measured", num_cells * ROW_HEIGHT_IN + 0.2)]
     if predicted:
-        panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.3))
+        panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.2))
     if breakdown is not None:
-        panels.append(("breakdown", 0.55))
-    height_in = sum(h for _, h in panels) + 0.75 * len(panels) + 0.9
+        panels.append(("breakdown", 0.3))
+    height_in = (sum(h for _, h in panels) + 0.65 * len(panels) + 0.6
+                 + (0.45 if breakdown is not None else 0.0))
     fig = Figure(figsize=(FIGURE_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, squeeze=False,
                         gridspec_kw={"height_ratios": [h for _, h in panels]})[:, 0]
-    fig.suptitle(info.title(), fontsize=13, fontweight="bold")
+    fig.suptitle(info.title(), fontsize=TITLE_FONT_PT, fontweight="bold")
     by_label = {}
     for ax, (label, _) in zip(axes, panels):
         ax.set_label(label)
         by_label[label] = ax
     ax = by_label["measured"]
     _draw_timeline(ax, measured, num_cells, t0_ns, span_ms)
-    ax.set_title(f"Measured: {measured_ms:.1f} ms from the first to the last pipeline op",
-                 fontsize=11, loc="left")
+    ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p]) for p in phases_present(measured)]
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
-              fontsize=10, frameon=False, borderaxespad=0.2)
+              fontsize=FONT_PT, frameon=False, borderaxespad=0.2, handlelength=1.2,
+              columnspacing=1.0)
     if predicted:
         ax = by_label["predicted"]
         _draw_timeline(ax, predicted, num_cells, 0, span_ms)
-        ax.set_title(f"Predicted by the {info.schedule} schedule with the measured mean "
-                     f"durations: {predicted_ms:.1f} ms (idle time beyond this: runtime waits)",
-                     fontsize=11, loc="left")
+        ax.set_title(f"Predicted by the {info.schedule} schedule from the mean durations: "
+                     f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     if breakdown is not None:
         _draw_breakdown(by_label["breakdown"], breakdown)
     fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.
