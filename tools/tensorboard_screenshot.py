@@ -23,10 +23,12 @@ import time
 import urllib.error
 import urllib.request
 
+# Tab -> (URL fragment, window height that frames the pipeline's card).
 TABS = {
-    # The tag filter keeps the pipeline's cards first; the rest of the run stays one click away.
-    "images": "#images&tagFilter=pipeline",
-    "text": "#text&tagFilter=pipeline",
+    "images": ("#images", 660),
+    # The run's other texts (params, model analysis) come first alphabetically and are long:
+    # the tag filter puts the pipeline's breakdown at the top.
+    "text": ("#text&tagFilter=pipeline", 1000),
 }
 WAIT_FOR_DATA_S = 120
 
@@ -81,10 +83,13 @@ def screenshot(chromium: str, url: str, path: str, width: int, height: int) -> N
     try:
         browser.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        os.killpg(browser.pid, signal.SIGKILL)
-        browser.wait()
         raise SystemExit(f"Chromium (PID {browser.pid}) took over 180 s on {url}; stopped.")
     finally:
+        try:  # Helpers the browser started in its session and left behind.
+            os.killpg(browser.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        browser.wait()
         shutil.rmtree(profile_dir, ignore_errors=True)
     if not os.path.exists(path):
         raise SystemExit(f"Chromium wrote no screenshot for {url}.")
@@ -94,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", required=True, help="A logdir written with --profile_steps.")
     parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--width", type=int, default=1400)
-    parser.add_argument("--height", type=int, default=1200)
+    parser.add_argument("--width", type=int, default=1000, help="Browser window width.")
     args = parser.parse_args(argv)
     chromium = find_chromium()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -110,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TensorBoard PID {server.pid} at {base_url} (log: {log_path})")
     try:
         wait_for_pipeline_tags(base_url, server)
-        for tab, fragment in TABS.items():
+        for tab, (fragment, height) in TABS.items():
             path = os.path.join(args.out_dir, f"tensorboard_{tab}.png")
-            screenshot(chromium, f"{base_url}/{fragment}", path, args.width, args.height)
+            screenshot(chromium, f"{base_url}/{fragment}", path, args.width, height)
             print(f"{tab}: {path} ({os.path.getsize(path) // 1024} KiB)")
     finally:
         server.terminate()

@@ -57,11 +57,9 @@ def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | No
     if "measured" in config.partition_costs and config.partition_cost != "measured":
         fix = "consider partition_cost='measured'"
     else:
-        others = [c for c in config.partition_costs if c != config.partition_cost]
-        fix = (f"partition_cost='{config.partition_cost}' misjudges the cells' costs: try "
-               + (f"partition_cost={' or '.join(repr(c) for c in others)}, or " if others else "")
-               + f"partition_method='explicit' with split_points that move layers off "
-               f"device {hi}")
+        fix = (f"the partition_cost='{config.partition_cost}' estimate misjudges the cells' "
+               f"times: move layers off device {hi} (partition_method='explicit' with "
+               "split_points) or try another partition_cost")
     return (f"load imbalance {_pct(b.load_imbalance)}: device {hi} is {ratio:.1f}x busier than "
             f"device {lo}; {fix}")
 
@@ -119,10 +117,13 @@ def summary_line(breakdown: timeline.Breakdown, config: PipelineConfig) -> str:
 
 
 def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str = "") -> str:
-    """The breakdown as markdown tables (TensorBoard's Text tab renders them), then advice."""
+    """Suggestions, then the breakdown as markdown tables (TensorBoard's Text tab renders them)."""
     step_ms = breakdown.step_ns / 1e6
     lines = [f"**{title}**", ""] if title else []
-    lines += ["| part | share of step | ms |", "| --- | ---: | ---: |"]
+    # Suggestions first: TensorBoard's text cards scroll, and they are what to act on.
+    tips = advice(breakdown, config)
+    lines += [f"- {tip}" for tip in tips] if tips else ["- balanced: nothing to suggest."]
+    lines += ["", "| part | share of step | ms |", "| --- | ---: | ---: |"]
     for part in ("setup", "compute", "recompute", "load_imbalance", "bubble", "weight_update"):
         share = float(getattr(breakdown, part))
         lines.append(f"| {part.replace('_', ' ')} | {100 * share:.1f}% | "
@@ -135,7 +136,5 @@ def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str =
         lines.append(f"| {d} | {100 * busy:.1f}% | {100 * idle:.1f}% |")
     K, T = config.num_cells, config.num_micro_batches
     lines += ["", f"GPipe's bubble bound (K-1)/(T+K-1) at K={K}, T={T}: "
-              f"{100 * timeline.theoretical_bubble(K, T):.1f}% of the pipelined time.", ""]
-    tips = advice(breakdown, config)
-    lines += [f"- {tip}" for tip in tips] if tips else ["- balanced: nothing to suggest."]
+              f"{100 * timeline.theoretical_bubble(K, T):.1f}% of the pipelined time."]
     return "\n".join(lines)

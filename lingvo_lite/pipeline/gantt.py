@@ -41,16 +41,16 @@ BREAKDOWN_COLORS = {"setup": "#9e9e9e", "compute": "#3b78e7", "recompute": "#2e9
                     "load_imbalance": "#d93025", "bubble": "#fbbc04",
                     "weight_update": "#6d4c41"}
 
-# TensorBoard shows an image card about 350 pixels wide (full size on request): a figure of
-# paper-column width with ordinary font sizes, drawn at 150 dpi (900 pixels), keeps its text
-# readable at that size and its details at full size.
-FIGURE_WIDTH_IN = 6.0
+# TensorBoard shows an image card 350 pixels wide (full size on request): a narrow figure
+# with large type, drawn at 150 dpi (750 pixels), keeps its text about 9 pixels tall at that
+# size and its details sharp at full size.
+FIGURE_WIDTH_IN = 5.0
 DPI = 150
 ROW_HEIGHT_IN = 0.3  # Per device: the figure's height grows with K.
 BAR_HEIGHT = 0.8  # Of a row.
-FONT_PT = 8.5
-TITLE_FONT_PT = 10.0
-LABEL_FONT_PT = 8.0
+FONT_PT = 9.5
+TITLE_FONT_PT = 11.0
+LABEL_FONT_PT = 8.5
 NARROW_LABEL_FONT_PT = 6.5
 
 
@@ -66,9 +66,8 @@ class StepInfo:
     step_ms: float
 
     def title(self) -> str:
-        return (f"{self.model}: step {self.step_ms:.1f} ms\nK={self.num_cells} devices, "
-                f"T={self.num_micro_batches} micro-batches, schedule {self.schedule}, "
-                f"remat {self.remat}")
+        return (f"{self.model}: step {self.step_ms:.1f} ms\nK={self.num_cells}, "
+                f"T={self.num_micro_batches}, schedule {self.schedule}, remat {self.remat}")
 
 
 def phases_present(boxes: Sequence[timeline.Box]) -> list[str]:
@@ -85,6 +84,17 @@ def device_idle_fraction(boxes: Sequence[timeline.Box], cell: int, start_ns: int
     return 1.0 - timeline.union_ns(runs) / max(end_ns - start_ns, 1)
 
 
+def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tuple[int, int]]:
+    """`runs` (sorted, disjoint) with gaps shorter than `min_gap_ns` filled."""
+    out: list[list[int]] = []
+    for start, end in runs:
+        if out and start - out[-1][1] < min_gap_ns:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
 def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int,
                    span_ms: float) -> None:
     """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
@@ -92,6 +102,8 @@ def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int
     The axis spans `span_ms` (shared by the panels); idle shares are of these boxes' own span.
     """
     end_ns = max(b.end_ns for b in boxes)
+    # Gaps narrower than a pixel between a box's ops would draw as a hatch of hairlines.
+    min_gap_ns = span_ms * 1e6 / (FIGURE_WIDTH_IN * DPI)
     for k in range(num_cells):
         ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
     for b in boxes:
@@ -99,17 +111,17 @@ def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int
         start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
         ax.barh(b.cell, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
                 edgecolor="white", linewidth=0.6, gid=timeline.box_name(b))
-        segments = [((s - t0_ns) / 1e6, (e - s) / 1e6) for s, e in b.segments]
+        segments = [((s - t0_ns) / 1e6, (e - s) / 1e6)
+                    for s, e in _close_gaps(b.segments, min_gap_ns)]
         if segments:
             ax.broken_barh(segments, (b.cell - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
-                           edgecolor="white", linewidth=0.4, gid=f"{timeline.box_name(b)} busy")
+                           linewidth=0, gid=f"{timeline.box_name(b)} busy")
     ax.set_ylim(num_cells - 0.5, -0.5)  # Device 0 on top.
     ax.set_yticks(range(num_cells))
     ax.set_yticklabels([
         f"device {k}\nidle {100 * device_idle_fraction(boxes, k, t0_ns, end_ns):.0f}%"
         for k in range(num_cells)], fontsize=FONT_PT)
     ax.set_xlim(0.0, span_ms)
-    ax.set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)
     ax.tick_params(axis="x", labelsize=FONT_PT)
     ax.tick_params(axis="y", length=0)
     ax.grid(axis="x", color="white", linewidth=0.8)
@@ -179,8 +191,8 @@ def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
     ax.tick_params(axis="x", labelsize=FONT_PT)
     ax.set_title(f"Where the {breakdown.step_ns / 1e6:.1f} ms step went (GPipe Figure 4)",
                  fontsize=FONT_PT + 0.5, loc="left")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -1.1), ncol=3, fontsize=FONT_PT,
-              frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -1.2), ncol=3, fontsize=FONT_PT,
+              frameon=False, handlelength=1.2, columnspacing=1.0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
 
@@ -211,8 +223,8 @@ def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
         panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.2))
     if breakdown is not None:
         panels.append(("breakdown", 0.3))
-    height_in = (sum(h for _, h in panels) + 0.65 * len(panels) + 0.6
-                 + (0.45 if breakdown is not None else 0.0))
+    height_in = (sum(h for _, h in panels) + 0.6 * len(panels) + 1.2
+                 + (0.5 if breakdown is not None else 0.0))
     fig = Figure(figsize=(FIGURE_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, squeeze=False,
@@ -227,14 +239,16 @@ def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
     ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p]) for p in phases_present(measured)]
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
-              fontsize=FONT_PT, frameon=False, borderaxespad=0.2, handlelength=1.2,
-              columnspacing=1.0)
     if predicted:
         ax = by_label["predicted"]
         _draw_timeline(ax, predicted, num_cells, 0, span_ms)
-        ax.set_title(f"Predicted by the {info.schedule} schedule from the mean durations: "
+        ax.set_title(f"Predicted by the {info.schedule} schedule, mean durations: "
                      f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
+    timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
+    timelines[-1].set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)
+    timelines[-1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45),
+                         ncol=len(handles), fontsize=FONT_PT, frameon=False, handlelength=1.2,
+                         columnspacing=1.0)
     if breakdown is not None:
         _draw_breakdown(by_label["breakdown"], breakdown)
     fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.

@@ -10,6 +10,9 @@ The replay is event driven: each device runs its `cell_order` one action at a ti
 action starts once its device is free and its dependencies (`schedule.dependencies`) finished.
 A backward action whose micro-batch was re-computed on that device in the measured step is
 predicted as a re-computation followed by the backward, as the executor runs them.
+
+This is the prediction the charts draw until the project has a planner with its own cost
+simulator; that simulator's boxes can then be passed to `gantt.gantt_figure` unchanged.
 """
 
 from __future__ import annotations

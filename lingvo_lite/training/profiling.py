@@ -128,10 +128,10 @@ class StepProfiler:
             return None
         report = build_report(self.result, self.description)
         self.result["report"] = report
-        step = step_number or self.last
-        trace_path = write_trace(self.trace_dir, step, self.result, report)
+        trace_path = write_trace(self.trace_dir, self.result["step"], self.result, report)
         if writers is not None:
-            write_summaries(writers, PROFILE_SUBDIR, step, self.result, report)
+            write_summaries(writers, PROFILE_SUBDIR, step_number or self.last, self.result,
+                            report)
         if self._out is not None:
             print(f"Pipeline profile of step {self.result['step']}: {report.summary}",
                   file=self._out)
@@ -188,6 +188,10 @@ class Report:
     advice: list[str]
 
 
+def one_line(text: str) -> str:
+    return text.replace("\n", ", ")
+
+
 def build_report(result: dict, description: PipelineDescription) -> Report:
     """The title facts, predicted timeline, table and suggestions of `analyse`'s result."""
     from lingvo_lite.pipeline import (
@@ -215,7 +219,8 @@ def build_report(result: dict, description: PipelineDescription) -> Report:
     tips = breakdown_advice.advice(breakdown, config)
     return Report(info=info, config=config, predicted=predicted,
                   markdown=breakdown_advice.markdown(
-                      breakdown, config, title=f"Global step {result['step']}: {info.title()}"),
+                      breakdown, config,
+                      title=f"Global step {result['step']}: {one_line(info.title())}"),
                   summary=breakdown_advice.summary_line(breakdown, config), advice=tips)
 
 
@@ -225,7 +230,7 @@ def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
 
     return chrome_trace.write_trace(
         os.path.join(trace_dir, f"pipeline_trace_{step}.json"), result["boxes"], step,
-        predicted=report.predicted, title=report.info.title())
+        predicted=report.predicted, title=one_line(report.info.title()))
 
 
 def write_summaries(writers, subdir: str, step: int, result: dict, report: Report) -> None:
