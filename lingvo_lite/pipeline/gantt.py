@@ -5,9 +5,10 @@ One figure, top to bottom:
     each action phase a box coloured by phase (forward, recompute, backward, weight gradient)
     spanning its first op start to its last op end, drawn light where no op of it ran and solid
     where its ops ran; grey where the device is idle; the micro-batch number inside the box when
-    it fits (turned upright in narrow boxes);
-  - optionally the schedule's predicted timeline (`ideal_timeline`) on the same time axis, so
-    idle time that the prediction shares is the schedule's bubble and the rest is not;
+    it fits (turned upright in narrow boxes; where boxes are too narrow, every n-th number);
+  - optionally the schedule's predicted timeline (`ideal_timeline`) on the same time axis: idle
+    time the prediction also has comes from the schedule (its bubble) and the devices' unequal
+    work; the rest is the runtime's;
   - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
 
 The figure is a plain `matplotlib.figure.Figure` on the Agg canvas: no pyplot state and no
