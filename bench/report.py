@@ -354,8 +354,15 @@ def render(results: dict) -> str:
         lines += sec
     serial = results.get("speedup_serial")
     serial_summary = {}
+    time_verdict = None
     if serial is not None:
         sec, serial_summary = _serial_speedup_section(serial)
+        lines += sec
+        import time_model
+
+        partition_text = results.get("speedup_transformer", {}).get("pipeline", {}).get(
+            "partition", "")
+        sec, time_verdict = time_model.render(serial, partition_text)
         lines += sec
     for policy in ("always", "never"):
         s8 = serial_summary.get(policy, {}).get(8)
@@ -547,6 +554,11 @@ def render(results: dict) -> str:
     import scaleout
 
     lines += scaleout.render(results)
+
+    if serial is not None and time_verdict is not None:
+        verdicts.append(("16. Time model within 15% of the measured step (serial devices, "
+                         "K=2, every T and remat)", f"worst {time_verdict[0]:.1%}",
+                         time_verdict[1]))
 
     # Summary first.
     summary = ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]

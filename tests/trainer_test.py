@@ -198,6 +198,10 @@ class TrainerTest(tf.test.TestCase):
         for k in (1, 2, 3):
             self.assertIn(f"Partition of 3 layers into {k} cells by flops", out)
         self.assertIn("K=4: cannot partition", out)
+        # K=1, T=2, remat except_last: F0 F1 B1 B0, B0 re-runs micro-batch 0's forward, so
+        # the step is 3W + W/2 for a one-device step of 3W (forward W, backward 2W).
+        self.assertIn("K=1, T=2, gpipe, remat=except_last: bubble 0.0%, load imbalance 0.0%, "
+                      f"recompute {0.5 / 3.5:.1%}; {3 / 3.5:.2f}x the one-device step", out)
 
     def test_inspect_model_cli(self) -> None:
         status, stdout, stderr = self._cli("inspect_model")

@@ -1,10 +1,11 @@
 """Placement: which device runs pipeline cell k.
 
-Model code never names devices. A `Placement` maps cell indices to device
-names for one backend: logical CPU devices (what tests and this machine use),
-GPUs, TPU cores, or the hosts of a TF cluster. The pipeline creates cell k's
-variables on `devices[k]` and runs its forward, recomputation and backward
-there.
+Model code never names devices. A placement (a string such as 'cpu' or
+'cluster:worker', or a list of device names) maps cell indices to devices of one
+backend: logical CPU devices (what tests and this machine use), GPUs, TPU cores, or
+the hosts of a TF cluster; `resolve_mesh` extends it to R data-parallel replicas.
+The pipeline creates cell k's variables on `devices[k]` and runs its forward,
+recomputation and backward there.
 """
 
 from __future__ import annotations

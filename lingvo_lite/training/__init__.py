@@ -4,9 +4,16 @@ Modules (each with one job; import them directly, this package imports nothing s
 `trainer.py` can check its flags before TensorFlow loads):
   - `options`: RunOptions (one invocation, mirroring the flags), UsageError, cheap checks;
   - `model_config`: --model / override flags -> the final task and input params;
-  - `analysis`: per-layer costs and partitions from params alone (inspect_model);
+  - `analysis`: per-layer costs, partitions and predicted steps from params alone
+    (inspect_model);
+  - `equivalence`: pipelined vs unpipelined gradients on one batch (check_equivalence);
   - `checkpointer`: checkpoints of weights, optimizer slots, global step and input position;
+  - `logdir_lock`: one trainer per logdir;
   - `summaries`: TensorBoard event writers per log sub-directory;
+  - `profiling`: --profile_steps (op traces -> pipeline boxes, the step breakdown, its
+    charts, Chrome trace and suggestions);
   - `loop`: the Trainer (training loop) and the evaluation pass;
+  - `decoding`: the decode mode (beam search over an eval split);
+  - `cluster`: TF_CONFIG, the servers of a multi-process run, and losing a task;
   - `runner`: `main(options)`, the per-mode setup and the user-error handling.
 """

@@ -13,7 +13,8 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.pipeline import partition, pipelining_layer
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import micro_batch, partition, pipelining_layer, simulator
 from lingvo_lite.training import model_config
 
 
@@ -90,17 +91,40 @@ def describe_pipeline(path: str, p: hyperparams.Params,
         header = ("#", "layer", "class", "output shape", "params", "fwd flops", "out bytes")
         lines += _table(header, rows, (True, False, False, False, True, True, True))
     ks = [p.num_cells] + [k for k in extra_num_cells if k != p.num_cells]
+    num_micro = _num_micro_batches(p)
     for k in ks:
         q = p.Copy()
         q.num_cells = k
         lines.append("")
         try:
-            lines.append(pipelining_layer.PipeliningLayer.ComputePartition(q).report())
+            part = pipelining_layer.PipeliningLayer.ComputePartition(q)
         except ValueError as e:
             lines.append(f"K={k}: cannot partition: {e}")
+            continue
+        lines.append(part.report())
+        if metas is not None and num_micro is not None:
+            prediction = simulator.predict(part, [m.flops for m in metas], num_micro,
+                                           p.schedule, p.remat)
+            lines += ["Predicted step (schedule simulator; time = forward FLOPs, backward = "
+                      "2 x forward, transfers free):", "  " + prediction.summary()]
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
     return "\n".join(lines), counts
+
+
+def _num_micro_batches(p: hyperparams.Params) -> int | None:
+    """T of a PipeliningLayer's params, when it can be known without a batch."""
+    if p.micro_batch_size is None:
+        return p.num_micro_batches or 1
+    if p.input_shapes is None:
+        return None
+    shapes = base_layer.to_shape(p.input_shapes)
+    leaf = shapes.Flatten()[0] if isinstance(shapes, NestedMap) else shapes
+    try:
+        return micro_batch.resolve_num_micro_batches(
+            int(leaf[p.batch_dim]), p.num_micro_batches, p.micro_batch_size)
+    except (ValueError, TypeError):
+        return None
 
 
 def _describe_mesh(p: hyperparams.Params) -> str:

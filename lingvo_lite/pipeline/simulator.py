@@ -1,0 +1,253 @@
+"""Schedule simulator: a pipeline step's timeline from action durations, without running it.
+
+A `Schedule` fixes the order of each device's actions; this module replays that order with
+real durations. Every device runs its actions one after the other; an action starts once its
+device has finished the previous one and every action it depends on has finished (plus a
+transfer time when the dependency ran on another cell). The result is when each action starts
+and ends, the step time, and GPipe's Figure 4 breakdown (compute, recompute, load imbalance,
+bubble) as `timeline.Breakdown` defines it for measured steps, so prediction and measurement
+read the same way.
+
+It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
+micro-batches take seconds.
+
+>>> from lingvo_lite.pipeline import schedule, simulator
+>>> gpipe = schedule.make_schedule("gpipe", 4, 8)
+>>> costs = simulator.PhaseCosts.uniform(4, forward=1.0, backward=2.0)
+>>> step = simulator.simulate(gpipe, costs, remat="never")
+>>> step.step_time  # (T + K - 1) x (forward + backward)
+33.0
+>>> round(step.breakdown().bubble, 4)  # (K - 1) / (T + K - 1) = 3 / 11
+0.2727
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from lingvo_lite.pipeline import partition as partition_lib
+from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline.schedule import Action, Phase
+
+REMAT_POLICIES = ("always", "except_last", "never")
+
+
+def recomputed_actions(sched: schedule_lib.Schedule, remat: str) -> set[Action]:
+    """The backward actions that first re-run their forward under re-materialisation `remat`.
+
+    'always': every backward; 'never': none; 'except_last': every backward but those that
+    directly follow their own forward on the cell (in GPipe's order, the last micro-batch of
+    every cell), whose activations are still there.
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; use one of {REMAT_POLICIES}.")
+    out = set()
+    if remat == "never":
+        return out
+    for k in range(sched.num_cells):
+        order = sched.cell_order(k)
+        for i, action in enumerate(order):
+            if action.phase is not Phase.BACKWARD:
+                continue
+            follows_own_forward = i > 0 and order[i - 1] == Action(
+                Phase.FORWARD, k, action.micro_batch)
+            if remat == "always" or not follows_own_forward:
+                out.add(action)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseCosts:
+    """Seconds per micro-batch of each cell's phases, and of one boundary crossing.
+
+    `backward[k]` excludes re-computation; a recomputed backward also takes `forward[k]`
+    (the re-run forward). `transfer` is added between a dependency on another cell and the
+    action that needs it (activations forward, their gradient backward).
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    transfer: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.forward) != len(self.backward) or not self.forward:
+            raise ValueError("PhaseCosts needs one forward and one backward cost per cell; got "
+                             f"{len(self.forward)} and {len(self.backward)}.")
+        if min(self.forward + self.backward + (self.transfer,)) < 0:
+            raise ValueError("PhaseCosts: durations must be >= 0.")
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.forward)
+
+    @classmethod
+    def uniform(cls, num_cells: int, forward: float, backward: float,
+                transfer: float = 0.0) -> PhaseCosts:
+        """Every cell alike (a perfectly balanced partition)."""
+        return cls((forward,) * num_cells, (backward,) * num_cells, transfer)
+
+    @classmethod
+    def from_cell_costs(cls, cell_forward: Sequence[float], backward_ratio: float = 2.0,
+                        transfer: float = 0.0) -> PhaseCosts:
+        """From each cell's forward time; backward = `backward_ratio` x forward.
+
+        2.0 is the usual ratio for matmul-dominated layers (the input and the weight
+        gradient each cost about one forward).
+        """
+        forward = tuple(float(c) for c in cell_forward)
+        return cls(forward, tuple(backward_ratio * c for c in forward), transfer)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedStep:
+    """The replayed step: when each action ran on its device, and what that adds up to."""
+
+    schedule: schedule_lib.Schedule
+    remat: str
+    start: dict[Action, float]
+    end: dict[Action, float]
+    recomputed: frozenset[Action]
+    recompute_time: tuple[float, ...]  # Per device: time spent re-running forwards.
+    setup_time: float = 0.0
+    update_time: float = 0.0
+
+    @property
+    def num_cells(self) -> int:
+        return self.schedule.num_cells
+
+    @property
+    def pipeline_time(self) -> float:
+        """First action start to last action end."""
+        return max(self.end.values()) - min(self.start.values())
+
+    @property
+    def step_time(self) -> float:
+        return self.setup_time + self.pipeline_time + self.update_time
+
+    def busy_time(self, cell: int) -> float:
+        return sum(self.end[a] - self.start[a] for a in self.schedule.cell_order(cell))
+
+    def device_timeline(self, cell: int) -> list[tuple[Action, float, float]]:
+        """(action, start, end) of each action of `cell`, in its order."""
+        return [(a, self.start[a], self.end[a]) for a in self.schedule.cell_order(cell)]
+
+    def breakdown(self) -> timeline.Breakdown:
+        """GPipe's Figure 4 split of the step (same definitions as a measured step's)."""
+        k = self.num_cells
+        step = max(self.step_time, 1e-30)
+        pipe = max(self.pipeline_time, 1e-30)
+        busy = [self.busy_time(c) for c in range(k)]
+        mean_busy, mean_rec = sum(busy) / k, sum(self.recompute_time) / k
+        return timeline.Breakdown(
+            step_ns=int(round(self.step_time * 1e9)),
+            setup=self.setup_time / step,
+            compute=(mean_busy - mean_rec) / step,
+            recompute=mean_rec / step,
+            load_imbalance=(max(busy) - mean_busy) / step,
+            bubble=(self.pipeline_time - max(busy)) / step,
+            weight_update=self.update_time / step,
+            device_busy=tuple(b / step for b in busy),
+            device_idle_in_pipeline=tuple(1.0 - b / pipe for b in busy),
+        )
+
+
+def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action], float],
+             remat: str = "except_last", transfer: float | None = None,
+             setup_time: float = 0.0, update_time: float = 0.0) -> SimulatedStep:
+    """Replays `sched` with the given durations.
+
+    Args:
+      sched: the schedule (its per-cell orders are what each device runs).
+      costs: `PhaseCosts`, or a function giving any action's duration in seconds (then
+        re-materialisation is whatever that function includes, and `remat` only labels
+        the recompute share).
+      remat: re-materialisation policy: which backwards re-run their forward.
+      transfer: seconds per boundary crossing (default: `costs.transfer`, else 0).
+      setup_time, update_time: time before the first and after the last action (input
+        feeding, the optimizer's update), added to the step.
+    """
+    recomputed = frozenset(recomputed_actions(sched, remat))
+    if isinstance(costs, PhaseCosts):
+        if costs.num_cells != sched.num_cells:
+            raise ValueError(f"PhaseCosts has {costs.num_cells} cells, the schedule "
+                             f"{sched.num_cells}.")
+        transfer = costs.transfer if transfer is None else transfer
+
+        def duration(a: Action) -> float:
+            if a.phase is Phase.FORWARD:
+                return costs.forward[a.cell]
+            return costs.backward[a.cell] + (costs.forward[a.cell] if a in recomputed else 0.0)
+
+        def recompute_of(a: Action) -> float:
+            return costs.forward[a.cell] if a in recomputed else 0.0
+    else:
+        duration = costs
+        transfer = transfer or 0.0
+
+        def recompute_of(a: Action) -> float:
+            return 0.0
+
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    device_free = [setup_time] * sched.num_cells
+    recompute_time = [0.0] * sched.num_cells
+    # The unit-time order respects every dependency and each cell's order, so each
+    # action's predecessors are final when it is reached.
+    for a in sched.actions():
+        ready = device_free[a.cell]
+        for d in schedule_lib.dependencies(a, sched.num_cells):
+            ready = max(ready, end[d] + (transfer if d.cell != a.cell else 0.0))
+        start[a] = ready
+        end[a] = ready + duration(a)
+        device_free[a.cell] = end[a]
+        recompute_time[a.cell] += recompute_of(a)
+    return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
+                         recomputed=recomputed, recompute_time=tuple(recompute_time),
+                         setup_time=setup_time, update_time=update_time)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A pipeline configuration's simulated step, and the one-device step it replaces."""
+
+    step: SimulatedStep
+    one_device_time: float  # Every layer's forward and backward on one device, no recompute.
+
+    @property
+    def speedup(self) -> float:
+        return self.one_device_time / max(self.step.step_time, 1e-30)
+
+    def summary(self) -> str:
+        b = self.step.breakdown()
+        sched = self.step.schedule
+        return (f"K={sched.num_cells}, T={sched.num_micro_batches}, {sched.name}, "
+                f"remat={self.step.remat}: bubble {b.bubble:.1%}, load imbalance "
+                f"{b.load_imbalance:.1%}, recompute {b.recompute:.1%}; "
+                f"{self.speedup:.2f}x the one-device step (ideal {sched.num_cells}x)")
+
+
+def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
+            num_micro_batches: int, schedule_name: str = "gpipe", remat: str = "except_last",
+            backward_ratio: float = 2.0, transfer: float = 0.0) -> Prediction:
+    """The simulated step of `partition` with T micro-batches.
+
+    Args:
+      partition: which layers each cell holds.
+      layer_costs: each layer's forward time on the whole mini-batch (any unit, e.g. FLOPs
+        over a device's FLOP/s); a micro-batch costs 1/T of it.
+      num_micro_batches: T.
+      schedule_name, remat: as in PipeliningLayer.
+      backward_ratio: backward time / forward time (2 for matmul-dominated layers).
+      transfer: time per boundary crossing, in the unit of `layer_costs`.
+    """
+    if len(layer_costs) != partition.num_layers:
+        raise ValueError(f"predict got {len(layer_costs)} layer costs for a partition of "
+                         f"{partition.num_layers} layers.")
+    cell_forward = [sum(layer_costs[a:b]) / num_micro_batches
+                    for a, b in partition.cell_layer_ranges]
+    costs = PhaseCosts.from_cell_costs(cell_forward, backward_ratio, transfer)
+    sched = schedule_lib.make_schedule(schedule_name, partition.num_cells, num_micro_batches)
+    step = simulate(sched, costs, remat=remat)
+    return Prediction(step=step, one_device_time=(1.0 + backward_ratio) * sum(layer_costs))
