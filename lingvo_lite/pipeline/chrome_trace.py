@@ -62,7 +62,7 @@ def trace_events(measured: Sequence[timeline.Box], step: int,
     events = _metadata(MEASURED_PID, f"measured: global step {step}", num_cells)
     events += _box_events(measured, MEASURED_PID, origin_ns)
     if predicted:
-        events += _metadata(PREDICTED_PID, "predicted by the schedule", num_cells)
+        events += _metadata(PREDICTED_PID, "predicted by the schedule simulator", num_cells)
         events += _box_events(predicted, PREDICTED_PID, 0)  # Predictions start at 0.
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}

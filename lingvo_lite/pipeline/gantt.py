@@ -6,7 +6,7 @@ One figure, top to bottom:
     spanning its first op start to its last op end, drawn light where no op of it ran and solid
     where its ops ran; grey where the device is idle; the micro-batch number inside the box when
     it fits (turned upright in narrow boxes; where boxes are too narrow, every n-th number);
-  - optionally the schedule's predicted timeline (`ideal_timeline`) on the same time axis: idle
+  - optionally the simulator's predicted timeline (`ideal_timeline`) on the same time axis: idle
     time the prediction also has comes from the schedule (its bubble) and the devices' unequal
     work; the rest is the runtime's;
   - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
@@ -243,7 +243,7 @@ def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
     if predicted:
         ax = by_label["predicted"]
         _draw_timeline(ax, predicted, num_cells, 0, span_ms)
-        ax.set_title(f"Predicted by the {info.schedule} schedule, mean durations: "
+        ax.set_title(f"Simulated {info.schedule} schedule, mean durations: "
                      f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
     timelines[-1].set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)

@@ -1,18 +1,15 @@
-"""The timeline a schedule predicts when every action takes its measured mean time.
+"""The timeline the schedule simulator predicts when every action takes its measured mean time.
 
 A profiled step shows where each device was idle, but not why: the schedule's own bubble (fill
 and drain, dependency waits) or load imbalance (one cell's actions take longer than another's).
-Replaying the schedule object's per-cell orders with each (device, phase)'s measured mean busy
-time, and nothing else (no transfer, no executor overhead, no interference), separates the two:
-idle time the prediction also has is the schedule's; the rest is the runtime's.
+Replaying the schedule with `simulator.simulate`, each (device, phase) taking its measured mean
+busy time and nothing else (no transfer, no executor overhead, no interference), separates
+them: idle time the prediction also has comes from the schedule and the devices' unequal work;
+the rest is the runtime's.
 
-The replay is event driven: each device runs its `cell_order` one action at a time, and an
-action starts once its device is free and its dependencies (`schedule.dependencies`) finished.
-A backward action whose micro-batch was re-computed on that device in the measured step is
-predicted as a re-computation followed by the backward, as the executor runs them.
-
-This is the prediction the charts draw until the project has a planner with its own cost
-simulator; that simulator's boxes can then be passed to `gantt.gantt_figure` unchanged.
+A backward action whose micro-batch was re-computed on that device in the measured step takes
+the mean re-computation time too, and is drawn as a re-computation box followed by the
+backward box, as the executor runs them.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline import simulator, timeline
 
 
 def mean_busy_ns(boxes: Sequence[timeline.Box]) -> dict[tuple[int, str], float]:
@@ -35,7 +32,8 @@ def mean_busy_ns(boxes: Sequence[timeline.Box]) -> dict[tuple[int, str], float]:
 
 def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int, str], float],
                   recomputed: set[tuple[int, int]] = frozenset()) -> list[timeline.Box]:
-    """The boxes `sched` gives when phase p on cell k always takes durations_ns[(k, p)].
+    """The boxes the simulator predicts for `sched` when phase p on cell k takes
+    durations_ns[(k, p)].
 
     Args:
       sched: the schedule (its cell orders and dependencies are replayed).
@@ -46,38 +44,27 @@ def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int,
       Boxes starting at time 0, each busy for its whole span, sorted like
       `timeline.boxes_from_events`.
     """
-    orders = [sched.cell_order(k) for k in range(sched.num_cells)]
-    finish: dict[schedule_lib.Action, float] = {}
-    device_free = [0.0] * sched.num_cells
-    position = [0] * sched.num_cells
-    boxes: list[timeline.Box] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for k, order in enumerate(orders):
-            while position[k] < len(order):
-                action = order[position[k]]
-                deps = schedule_lib.dependencies(action, sched.num_cells)
-                if any(d not in finish for d in deps):
-                    break
-                start = max([device_free[k]] + [finish[d] for d in deps])
-                t = action.micro_batch
-                phases = [timeline.FORWARD]
-                if action.phase is schedule_lib.Phase.BACKWARD:
-                    phases = ([timeline.RECOMPUTE] if (k, t) in recomputed else [])
-                    phases.append(timeline.BACKWARD)
-                for phase in phases:
-                    end = start + durations_ns.get((k, phase), 0.0)
-                    s, e = round(start), round(end)
-                    boxes.append(timeline.Box(k, phase, t, s, e, e - s, 0, ((s, e),)))
-                    start = end
-                finish[action] = start
-                device_free[k] = start
-                position[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # Schedule.validate() rules this out for the registered schedules.
-            raise ValueError(f"{sched!r} deadlocks: its cell orders cannot be replayed.")
+    def recompute_ns(a: schedule_lib.Action) -> float:
+        if a.phase is schedule_lib.Phase.BACKWARD and (a.cell, a.micro_batch) in recomputed:
+            return durations_ns.get((a.cell, timeline.RECOMPUTE), 0.0)
+        return 0.0
+
+    def duration(a: schedule_lib.Action) -> float:
+        return durations_ns.get((a.cell, a.phase.value), 0.0) + recompute_ns(a)
+
+    step = simulator.simulate(sched, duration)
+    boxes = []
+
+    def add(cell: int, phase: str, micro_batch: int, start: float, end: float) -> None:
+        s, e = round(start), round(end)
+        boxes.append(timeline.Box(cell, phase, micro_batch, s, e, e - s, 0, ((s, e),)))
+
+    for a in sched.actions():
+        start, end = step.start[a], step.end[a]
+        split = start + recompute_ns(a)
+        if split > start:
+            add(a.cell, timeline.RECOMPUTE, a.micro_batch, start, split)
+        add(a.cell, a.phase.value, a.micro_batch, split, end)
     return sorted(boxes, key=lambda b: (b.cell, b.start_ns, timeline.PHASES.index(b.phase)))
 
 

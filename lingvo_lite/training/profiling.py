@@ -6,7 +6,7 @@ tensorboard-plugin-profile package, opens it as run `train`), then reads the tra
 (`lingvo_lite.pipeline.timeline`) and writes, at step M of the `train` run:
   - `pipeline/gantt`: a chart of the last profiled step (`lingvo_lite.pipeline.gantt`): one
     row per device, a box per forward, re-computation and backward of each micro-batch, the
-    schedule's predicted timeline under it, and the step's Figure 4 breakdown;
+    timeline the schedule simulator predicts under it, and the step's Figure 4 breakdown;
   - `pipeline/breakdown` (Text tab): that breakdown as a markdown table, with suggestions
     (`lingvo_lite.pipeline.breakdown_advice`);
   - `pipeline/<part>`: GPipe's Figure 4 breakdown of the step time, averaged over the profiled
@@ -245,8 +245,8 @@ def write_summaries(writers, subdir: str, step: int, result: dict, report: Repor
     with writers.writer(subdir).as_default(step=step):
         tf.summary.image("pipeline/gantt", image[None], step=step,
                          description="Last profiled step: measured boxes per device, the "
-                         "schedule's prediction from the measured mean durations, and GPipe's "
-                         "Figure 4 breakdown.")
+                         "schedule simulator's prediction from the measured mean durations, "
+                         "and GPipe's Figure 4 breakdown.")
         tf.summary.text("pipeline/breakdown", report.markdown, step=step)
         for name, value in result["mean"].items():
             tf.summary.scalar(f"pipeline/{name}", value, step=step)
