@@ -69,6 +69,33 @@ class ChromeTraceTest(unittest.TestCase):
         self.assertAlmostEqual(1.3, b1["dur"])
         self.assertEqual(7, b1["args"]["ops"])
 
+    def test_overlapping_boxes_of_a_device_get_their_own_track(self):
+        # Device 0 runs F1 (0-10 us) while B0 (5-20 us) starts, then R1 (20-25 us): trace
+        # viewers need each track's slices nested, so B0 goes on a second track of device 0.
+        us = 1000
+
+        def box(phase, mb, start, end):
+            return timeline.Box(0, phase, mb, start * us, end * us, (end - start) * us, 1,
+                                ((start * us, end * us),))
+
+        boxes = [box("F", 1, 0, 10), box("B", 0, 5, 20), box("R", 1, 20, 25)]
+        trace = chrome_trace.trace_events(boxes, step=1)
+        check_trace_event_format(self, trace)
+        complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        by_track: dict[int, list[dict]] = {}
+        for e in complete:
+            by_track.setdefault(e["tid"], []).append(e)
+        self.assertEqual(2, len(by_track))
+        for events in by_track.values():
+            events.sort(key=lambda e: e["ts"])
+            for a, b in zip(events, events[1:]):
+                self.assertLessEqual(a["ts"] + a["dur"], b["ts"])
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "thread_name"}
+        self.assertEqual(["device 0", "device 0 (overlapping 1)"], sorted(names.values()))
+        self.assertEqual(sorted(boxes, key=lambda b: b.start_ns),
+                         chrome_trace.boxes_from_trace(trace))
+
     def test_prediction_is_a_second_process_that_round_trips(self):
         predicted = ideal_timeline.predict_from_measured(
             schedule.make_schedule("gpipe", 2, 1), BOXES)

@@ -4,7 +4,8 @@ The file follows the Trace Event Format's JSON object form: `{"traceEvents": [..
 "displayTimeUnit": "ms", "otherData": {...}}`. Each box is a complete event (`"ph": "X"`) named
 like `timeline.box_name` ('F cell 1 mb 3'), with `ts` and `dur` in microseconds, on thread
 (track) `tid = cell` of process `pid`: the measured step is process 1 and, when given, the
-schedule's prediction process 2, so both show one track per device, one above the other.
+schedule simulator's prediction process 2, so both show one track per device, one above the
+other (plus a track for boxes that overlap others of their device, see `assign_lanes`).
 Metadata events name the processes and tracks. `args` hold the phase, cell, micro-batch, op
 count and the busy runs (where the box's ops really ran).
 
@@ -25,30 +26,59 @@ _PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
                 timeline.BACKWARD: "backward"}
 
 
-def _metadata(pid: int, process_name: str, num_cells: int) -> list[dict]:
+# Trace viewers need the slices of one track to nest. On CPUs a device's actions can overlap
+# (the shared thread pool runs a forward while the previous backward finishes), so a box that
+# overlaps an earlier one of its device goes on an extra track of that device: lane n > 0 of
+# device k is thread LANE_TID_STRIDE * n + k, named 'device k (overlapping n)'.
+LANE_TID_STRIDE = 1000
+
+
+def assign_lanes(boxes: Sequence[timeline.Box]) -> list[int]:
+    """Per box, the lowest lane of its device in which it overlaps no earlier box."""
+    lane_ends: dict[int, list[int]] = {}
+    lanes = [0] * len(boxes)
+    for i in sorted(range(len(boxes)), key=lambda i: (boxes[i].start_ns, boxes[i].end_ns)):
+        b = boxes[i]
+        ends = lane_ends.setdefault(b.cell, [])
+        lane = next((n for n, end in enumerate(ends) if end <= b.start_ns), len(ends))
+        if lane == len(ends):
+            ends.append(b.end_ns)
+        else:
+            ends[lane] = b.end_ns
+        lanes[i] = lane
+    return lanes
+
+
+def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]]) -> list[dict]:
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                "args": {"name": process_name}},
               {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                "args": {"sort_index": pid}}]
-    for k in range(num_cells):
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": k,
-                       "args": {"name": f"device {k}"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": k,
-                       "args": {"sort_index": k}})
+    for cell, lane in sorted(tracks):
+        tid = LANE_TID_STRIDE * lane + cell
+        name = f"device {cell}" + (f" (overlapping {lane})" if lane else "")
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": name}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                       "args": {"sort_index": LANE_TID_STRIDE * cell + lane}})
     return events
 
 
-def _box_events(boxes: Sequence[timeline.Box], pid: int, origin_ns: int) -> list[dict]:
+def _box_events(boxes: Sequence[timeline.Box], pid: int, process_name: str,
+                origin_ns: int) -> list[dict]:
     def us(t_ns: int) -> float:
         return (t_ns - origin_ns) / 1000.0
 
-    return [{
+    lanes = assign_lanes(boxes)
+    tracks = {(b.cell, 0) for b in boxes} | {(b.cell, n) for b, n in zip(boxes, lanes)}
+    return _metadata(pid, process_name, tracks) + [{
         "ph": "X", "name": timeline.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
-        "pid": pid, "tid": b.cell, "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1000.0,
+        "pid": pid, "tid": LANE_TID_STRIDE * lane + b.cell, "ts": us(b.start_ns),
+        "dur": (b.end_ns - b.start_ns) / 1000.0,
         "args": {"phase": b.phase, "cell": b.cell, "micro_batch": b.micro_batch,
                  "ops": b.num_ops, "busy_us": b.busy_ns / 1000.0,
                  "busy_runs_us": [[us(s), us(e)] for s, e in b.segments]},
-    } for b in boxes]
+    } for b, lane in zip(boxes, lanes)]
 
 
 def trace_events(measured: Sequence[timeline.Box], step: int,
@@ -58,12 +88,9 @@ def trace_events(measured: Sequence[timeline.Box], step: int,
     if not measured:
         raise ValueError("trace_events needs at least one measured box.")
     origin_ns = min(b.start_ns for b in measured)
-    num_cells = 1 + max(b.cell for b in list(measured) + list(predicted or ()))
-    events = _metadata(MEASURED_PID, f"measured: global step {step}", num_cells)
-    events += _box_events(measured, MEASURED_PID, origin_ns)
-    if predicted:
-        events += _metadata(PREDICTED_PID, "predicted by the schedule simulator", num_cells)
-        events += _box_events(predicted, PREDICTED_PID, 0)  # Predictions start at 0.
+    events = _box_events(measured, MEASURED_PID, f"measured: global step {step}", origin_ns)
+    if predicted:  # Predictions start at 0.
+        events += _box_events(predicted, PREDICTED_PID, "predicted by the schedule simulator", 0)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}
 
