@@ -20,8 +20,10 @@ Modes:
                   --equivalence_tolerance. Needs no --logdir and writes nothing.
 
 --profile_steps=N,M (train modes) captures global steps N..M with the TensorFlow profiler into
-<logdir>/train (TensorBoard's profile tab) and writes the pipeline's Gantt chart (image
-pipeline/gantt) and GPipe Figure 4 time breakdown (scalars pipeline/*) to the train run.
+<logdir>/train (TensorBoard's profile tab) and writes the pipeline's Gantt chart with the
+schedule's prediction and GPipe's Figure 4 breakdown (image pipeline/gantt), the breakdown as a
+table with suggestions (text pipeline/breakdown, also printed), scalars pipeline/*, and a Chrome
+trace <logdir>/train/pipeline_trace_M.json (Perfetto, chrome://tracing).
 
 --tpu=<name> (train mode; 'local' on a TPU VM) trains under tf.distribute.TPUStrategy with
 --num_replicas replicas of --num_cells cores, cell k on core k of each replica (README, "TPUs";
@@ -86,7 +88,8 @@ _INSPECT_NUM_CELLS = flags.DEFINE_list(
 _PROFILE_STEPS = flags.DEFINE_string(
     "profile_steps", "",
     "'N,M': profile global steps N..M (TensorBoard profile tab, run 'train') and write the "
-    "pipeline Gantt chart and time breakdown to TensorBoard.")
+    "pipeline's Gantt chart, time breakdown and suggestions to TensorBoard and a Chrome trace "
+    "to <logdir>/train.")
 _MODEL_MODULES = flags.DEFINE_list(
     "model_modules", [], "Modules to import first so the models they register are known.")
 _DETERMINISTIC = flags.DEFINE_boolean(

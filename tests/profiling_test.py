@@ -2,13 +2,15 @@
 
 Real traces come from `tf.profiler.experimental` around a compiled pipelined step; they are
 checked against what must hold independently of this code: the schedule object's per-cell
-order, the split the test chose (an imbalanced partition must show a larger imbalance share),
-hand-computed breakdowns of synthetic events, and pixels decoded from the PNG.
+order, the split the test chose (an imbalanced partition must show a larger imbalance share and
+get a rebalancing suggestion) and hand-computed breakdowns of synthetic events. The charts
+themselves are checked in gantt_test.py and chrome_trace_test.py.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import tempfile
 
@@ -20,7 +22,13 @@ from tensorboard.backend.event_processing import event_accumulator
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import dense, losses, structural
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import pipelining_layer, schedule, timeline
+from lingvo_lite.pipeline import (
+    breakdown_advice,
+    chrome_trace,
+    pipelining_layer,
+    schedule,
+    timeline,
+)
 from lingvo_lite.training import options, profiling, runner
 
 # Large enough that op time, not per-op overhead or OS jitter, decides the busy times: at
@@ -117,6 +125,11 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertAllClose(1.0, total, atol=1e-9)
         # Cell 0 does 7 of 8 layers (and recomputes them): most of cell 1's time is idle.
         self.assertGreater(share["skewed"], share["balanced"] + 0.1, msg=str(share))
+        parts = sorted((timeline.compute_breakdown(evs, 2) for evs in skewed),
+                       key=lambda b: b.load_imbalance)
+        median = parts[len(parts) // 2]
+        tip = breakdown_advice.advice(median, breakdown_advice.PipelineConfig(2, 4))[0]
+        self.assertRegex(tip, r"^load imbalance \d+%: device 0 is \d+\.\dx busier than device 1")
 
 
 class BreakdownArithmeticTest(tf.test.TestCase):
@@ -163,36 +176,9 @@ class BreakdownArithmeticTest(tf.test.TestCase):
         self.assertEqual([(0, 5), (8, 10)], timeline.merge_intervals([(8, 10), (2, 5), (0, 3)]))
 
 
-class GanttTest(tf.test.TestCase):
-
-    def test_png_decodes_with_expected_size_and_colours(self):
-        box = timeline.Box
-        boxes = [box(0, "F", 0, 0, 100, 100, 1, ((0, 100),)),
-                 box(1, "F", 0, 100, 200, 100, 1, ((100, 200),)),
-                 box(1, "B", 0, 200, 300, 100, 1, ((200, 300),)),
-                 box(0, "R", 0, 300, 350, 50, 1, ((300, 350),)),
-                 box(0, "B", 0, 350, 400, 50, 1, ((350, 400),))]
-        width, row = 440, 30
-        png = timeline.encode_png(timeline.gantt_image(boxes, 2, width=width, row_height=row))
-        img = tf.io.decode_png(png).numpy()
-        self.assertEqual((2 * row, width, 3), img.shape)
-        # The time axis maps 0..400 ns onto x = 40..435 (label column of 40 px, 4 px margin).
-        def at(t, cell):
-            # Row 4 of each device row: inside the boxes, above the labels.
-            x = 40 + int(round(t / 400 * (width - 45)))
-            return tuple(int(c) for c in img[cell * row + 4, x])
-        self.assertEqual((66, 133, 244), at(20, 0))  # F on device 0 early on.
-        self.assertEqual((236, 236, 236), at(150, 0))  # Device 0 idle while device 1 works.
-        self.assertEqual((66, 133, 244), at(130, 1))
-        self.assertEqual((251, 140, 0), at(280, 1))
-        self.assertEqual((52, 168, 83), at(325, 0))  # Re-computation before the backward.
-        self.assertEqual((251, 140, 0), at(380, 0))
-        self.assertEqual((236, 236, 236), at(380, 1))
-
-
 class TrainerProfileTest(tf.test.TestCase):
 
-    def test_profile_steps_writes_gantt_and_breakdown(self):
+    def test_profile_steps_writes_gantt_breakdown_text_and_trace(self):
         import testdata_models  # noqa: F401  (registers TinyMlp)
 
         logdir = os.path.join(tempfile.mkdtemp(), "run")
@@ -208,6 +194,7 @@ class TrainerProfileTest(tf.test.TestCase):
         acc.Reload()
         tags = set(acc.Tags()["tensors"])
         self.assertIn("pipeline/gantt", tags)
+        self.assertIn("pipeline/breakdown", tags)
         for name in ("setup", "bubble", "load_imbalance", "recompute", "weight_update",
                      "device_0_busy", "device_1_busy"):
             self.assertIn(f"pipeline/{name}", tags)
@@ -216,6 +203,14 @@ class TrainerProfileTest(tf.test.TestCase):
         encoded = tf.make_ndarray(gantt.tensor_proto)  # [width, height, png bytes]
         img = tf.io.decode_png(encoded[2]).numpy()
         self.assertEqual((int(encoded[1]), int(encoded[0]), 3), img.shape)
+        text = tf.make_ndarray(acc.Tensors("pipeline/breakdown")[-1].tensor_proto)
+        text = text.item().decode()
+        self.assertIn("| load imbalance |", text)
+        self.assertIn("testdata_models.TinyMlp", text)
+        with open(os.path.join(train_dir, "pipeline_trace_3.json")) as f:
+            boxes = chrome_trace.boxes_from_trace(json.load(f))
+        self.assertEqual({0, 1}, {b.cell for b in boxes})
+        self.assertIn("Pipeline profile of step 3: bubble ", out.getvalue())
 
     def test_serial_devices_cannot_be_profiled_and_nothing_is_written(self):
         import testdata_models  # noqa: F401  (registers TinyMlp)

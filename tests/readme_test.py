@@ -30,3 +30,12 @@ class ReadmeTest(unittest.TestCase):
         main_command, _ = readme_commands()
         model = re.search(r"--model=(\S+)", main_command).group(1)
         self.assertIn(model, model_registry.list_models())
+
+    def test_images_the_readme_shows_exist_and_are_small(self):
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", f.read())
+        self.assertTrue(images)
+        for path in images:
+            full = os.path.join(ROOT, path)
+            self.assertTrue(os.path.isfile(full), msg=path)
+            self.assertLess(os.path.getsize(full), 300 * 1024, msg=path)

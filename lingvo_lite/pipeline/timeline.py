@@ -1,4 +1,4 @@
-"""What a pipelined step really did: profiler trace -> per-cell intervals -> Gantt chart, breakdown.
+"""What a pipelined step really did: profiler trace -> per-action boxes -> time breakdown.
 
 The executor (`pipelining_layer.py`) names every op it emits after the action that emitted it:
 `cell_{k}/fprop_mb_{t}/...` for the forward F(k, t), `cell_{k}/bprop_mb_{t}/...` for the backward
@@ -13,8 +13,10 @@ From the op intervals this module derives:
   op end, with the time its ops were really busy (their union);
 - the Figure 4 breakdown of GPipe's step time (`Breakdown`): setup (before the first cell op:
   splitting and reshaping inputs), weight update (after the last cell op), and, in between, the
-  devices' compute, recomputation, load imbalance and bubble;
-- a Gantt chart as an RGB array (numpy only, no plotting library), and its PNG encoding.
+  devices' compute, recomputation, load imbalance and bubble.
+
+The pictures of the boxes are elsewhere: `gantt` (a matplotlib figure), `chrome_trace` (a
+trace-event file for Perfetto / chrome://tracing), `ideal_timeline` (the schedule's prediction).
 
 Times are nanoseconds on the profiler's clock.
 """
@@ -26,8 +28,6 @@ import glob
 import os
 import re
 from collections.abc import Iterable, Sequence
-
-import numpy as np
 
 FORWARD, RECOMPUTE, BACKWARD = "F", "R", "B"
 PHASES = (FORWARD, RECOMPUTE, BACKWARD)
@@ -64,6 +64,11 @@ class Box:
     busy_ns: int  # Union of the ops' intervals: time some op of this box was running.
     num_ops: int
     segments: tuple[tuple[int, int], ...] = ()  # That union, as disjoint [start, end) runs.
+
+
+def box_name(box: Box) -> str:
+    """The name one action phase goes by in charts and traces, e.g. 'F cell 1 mb 3'."""
+    return f"{box.phase} cell {box.cell} mb {box.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,101 +322,3 @@ def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None) -
 def theoretical_bubble(num_cells: int, num_micro_batches: int) -> float:
     """GPipe's idle fraction of a balanced fill-drain pipeline: (K-1)/(T+K-1)."""
     return (num_cells - 1) / (num_micro_batches + num_cells - 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The Gantt chart.
-
-_COLORS = {FORWARD: (66, 133, 244), RECOMPUTE: (52, 168, 83), BACKWARD: (251, 140, 0)}
-_BACKGROUND = (255, 255, 255)
-_IDLE = (236, 236, 236)
-_INK = (20, 20, 20)
-# A 3x5 bitmap font for the labels (rows top to bottom, 3 bits each).
-_GLYPHS = {
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7),
-    "4": (5, 5, 7, 1, 1), "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1),
-    "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7), "F": (7, 4, 6, 4, 4), "B": (6, 5, 6, 5, 6),
-    "R": (6, 5, 6, 5, 5), "D": (6, 5, 5, 5, 6), " ": (0, 0, 0, 0, 0),
-}
-_LABEL_WIDTH = 40
-
-
-def _draw_text(img: np.ndarray, text: str, x: int, y: int, scale: int, color) -> None:
-    for ch in text:
-        glyph = _GLYPHS.get(ch, _GLYPHS[" "])
-        for r, bits in enumerate(glyph):
-            for c in range(3):
-                if bits >> (2 - c) & 1:
-                    y0, x0 = y + r * scale, x + c * scale
-                    img[max(y0, 0):y0 + scale, max(x0, 0):x0 + scale] = color
-        x += 4 * scale
-
-
-def text_width(text: str, scale: int) -> int:
-    return 4 * scale * len(text) - scale
-
-
-def gantt_image(boxes: Sequence[Box], num_cells: int | None = None, width: int = 1200,
-                row_height: int = 36) -> np.ndarray:
-    """An RGB uint8 [H, W, 3] chart: one row per device, one box per (phase, micro-batch).
-
-    Forward boxes are blue, re-computation green, backward orange. A box is drawn where its ops
-    really ran (solid), over a light band spanning its first op start to last op end, with a
-    dark tick at its start; it is labelled (e.g. F3) on its widest run when that is wide
-    enough. The time axis spans the first box start to
-    the last box end. H = num_cells * row_height, W = width.
-    """
-    if num_cells is None:
-        num_cells = 1 + max((b.cell for b in boxes), default=0)
-    if width <= _LABEL_WIDTH + 10 or row_height < 8:
-        raise ValueError(f"width={width} must exceed {_LABEL_WIDTH + 10} and row_height="
-                         f"{row_height} must be >= 8.")
-    img = np.empty((num_cells * row_height, width, 3), np.uint8)
-    img[...] = _BACKGROUND
-    plot_w = width - _LABEL_WIDTH - 4
-    pad = max(row_height // 8, 1)
-    scale = max(1, min(3, (row_height - 2 * pad) // 8))
-    for k in range(num_cells):
-        y0 = k * row_height
-        img[y0 + pad:y0 + row_height - pad, _LABEL_WIDTH:_LABEL_WIDTH + plot_w] = _IDLE
-        _draw_text(img, f"D{k}", 4, y0 + (row_height - 5 * scale) // 2, scale, _INK)
-    if not boxes:
-        return img
-    t0 = min(b.start_ns for b in boxes)
-    span = max(max(b.end_ns for b in boxes) - t0, 1)
-
-    def to_x(t: int) -> int:
-        return _LABEL_WIDTH + int(round((t - t0) / span * (plot_w - 1)))
-
-    for b in sorted(boxes, key=lambda b: b.start_ns):
-        if b.cell >= num_cells:
-            continue
-        y0 = b.cell * row_height + pad
-        y1 = (b.cell + 1) * row_height - pad
-        # Draw where the box's ops really ran; a faint band marks its whole span.
-        x0, x1 = to_x(b.start_ns), max(to_x(b.end_ns), to_x(b.start_ns) + 1)
-        band = tuple(int(0.35 * c + 0.65 * 255) for c in _COLORS[b.phase])
-        img[y1 - max(pad, 2):y1, x0:x1] = band
-        widest = (x0, x0)
-        for start, end in b.segments or ((b.start_ns, b.end_ns),):
-            sx0, sx1 = to_x(start), max(to_x(end), to_x(start) + 1)
-            img[y0:y1 - max(pad, 2), sx0:sx1] = _COLORS[b.phase]
-            if sx1 - sx0 > widest[1] - widest[0]:
-                widest = (sx0, sx1)
-        img[y0:y1, x0] = _INK  # Left edge: where the action starts.
-        label = f"{b.phase}{b.micro_batch}"
-        label_scale = scale
-        lx0, lx1 = widest
-        while label_scale > 1 and text_width(label, label_scale) + 4 > lx1 - lx0:
-            label_scale -= 1
-        if text_width(label, label_scale) + 4 <= lx1 - lx0:
-            _draw_text(img, label, lx0 + 2, (y0 + y1) // 2 - (5 * label_scale) // 2 - 1,
-                       label_scale, (255, 255, 255))
-    return img
-
-
-def encode_png(image: np.ndarray) -> bytes:
-    """PNG bytes of an RGB uint8 image (TensorFlow's encoder: no imaging dependency)."""
-    import tensorflow as tf
-
-    return tf.io.encode_png(tf.convert_to_tensor(image, tf.uint8)).numpy()

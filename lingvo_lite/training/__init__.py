@@ -10,7 +10,8 @@ Modules (each with one job; import them directly, this package imports nothing s
   - `checkpointer`: checkpoints of weights, optimizer slots, global step and input position;
   - `logdir_lock`: one trainer per logdir;
   - `summaries`: TensorBoard event writers per log sub-directory;
-  - `profiling`: --profile_steps (op traces -> pipeline boxes and the step breakdown);
+  - `profiling`: --profile_steps (op traces -> pipeline boxes, the step breakdown, its
+    charts, Chrome trace and suggestions);
   - `loop`: the Trainer (training loop) and the evaluation pass;
   - `decoding`: the decode mode (beam search over an eval split);
   - `cluster`: TF_CONFIG, the servers of a multi-process run, and losing a task;

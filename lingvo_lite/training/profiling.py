@@ -4,12 +4,18 @@
 `tf.profiler.experimental` into `<logdir>/train` (TensorBoard's profile tab, from the optional
 tensorboard-plugin-profile package, opens it as run `train`), then reads the trace back
 (`lingvo_lite.pipeline.timeline`) and writes, at step M of the `train` run:
-  - `pipeline/gantt`: an image of the last profiled step, one row per device, one box per
-    forward (F), re-computation (R) and backward (B) of each micro-batch;
+  - `pipeline/gantt`: a chart of the last profiled step (`lingvo_lite.pipeline.gantt`): one
+    row per device, a box per forward, re-computation and backward of each micro-batch, the
+    timeline the schedule simulator predicts under it, and the step's Figure 4 breakdown;
+  - `pipeline/breakdown` (Text tab): that breakdown as a markdown table, with suggestions
+    (`lingvo_lite.pipeline.breakdown_advice`);
   - `pipeline/<part>`: GPipe's Figure 4 breakdown of the step time, averaged over the profiled
     steps (setup, compute, recompute, load_imbalance, bubble, weight_update, step_ms), and
     `pipeline/device_<d>_busy`;
-  - `pipeline/breakdown.json` beside the trace, with the per-step values.
+  - beside the trace: `pipeline_breakdown.json` (per-step values) and
+    `pipeline_trace_<M>.json`, the last step's boxes as a Chrome trace-event file (Perfetto,
+    chrome://tracing);
+and prints the breakdown's summary line and suggestions.
 
 The first step of a run also traces and optimises the graph; profile later steps.
 """
@@ -17,13 +23,40 @@ The first step of a run also traces and optimises the graph; profile later steps
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
+from typing import Any, TextIO
 
 from lingvo_lite.training import options as options_lib
 
 PROFILE_SUBDIR = "train"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineDescription:
+    """The run's facts the charts and suggestions name (None: read from the profiled boxes)."""
+
+    model: str = ""
+    num_cells: int | None = None
+    num_micro_batches: int | None = None
+    schedule: str = "gpipe"
+    remat: str = "except_last"
+    partition_cost: str = "flops"
+
+    @classmethod
+    def from_task_params(cls, model: str, task_params: Any) -> PipelineDescription:
+        """From the first PipeliningLayer in `task_params` (defaults when there is none)."""
+        from lingvo_lite.training import model_config
+
+        for _, pp in model_config.iter_pipelining_params(task_params):
+            num_micro_batches = pp.num_micro_batches
+            return cls(model=model, num_cells=pp.num_cells,
+                       num_micro_batches=num_micro_batches if isinstance(
+                           num_micro_batches, int) else None,
+                       schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost)
+        return cls(model=model)
 
 
 def parse_profile_steps(value: str | None) -> tuple[int, int] | None:
@@ -53,9 +86,13 @@ class StepProfiler:
     steps outside the range cost nothing.
     """
 
-    def __init__(self, logdir: str, first: int, last: int) -> None:
+    def __init__(self, logdir: str, first: int, last: int,
+                 description: PipelineDescription | None = None,
+                 out: TextIO | None = None) -> None:
         self.trace_dir = os.path.join(logdir, PROFILE_SUBDIR)
         self.first, self.last = first, last
+        self.description = description or PipelineDescription()
+        self._out = out
         self._active = False
         self.result: dict | None = None
 
@@ -87,8 +124,22 @@ class StepProfiler:
         tf.profiler.experimental.stop()
         self._active = False
         self.result = analyse(self.trace_dir)
-        if writers is not None and self.result is not None:
-            write_summaries(writers, PROFILE_SUBDIR, step_number or self.last, self.result)
+        if self.result is None:
+            return None
+        report = build_report(self.result, self.description)
+        self.result["report"] = report
+        trace_path = write_trace(self.trace_dir, self.result["step"], self.result, report)
+        if writers is not None:
+            write_summaries(writers, PROFILE_SUBDIR, step_number or self.last, self.result,
+                            report)
+        if self._out is not None:
+            print(f"Pipeline profile of step {self.result['step']}: {report.summary}",
+                  file=self._out)
+            for tip in report.advice[1:]:
+                print(f"  also: {tip}", file=self._out)
+            print(f"  Gantt chart and breakdown: TensorBoard, run {PROFILE_SUBDIR}, Images and "
+                  f"Text tabs; zoomable trace: {trace_path} (https://ui.perfetto.dev).",
+                  file=self._out, flush=True)
         return self.result
 
 
@@ -104,37 +155,99 @@ def analyse(trace_dir: str) -> dict | None:
     windows = timeline.step_windows(spaces) or [(0, -1, 2**62)]
     steps = []
     last_boxes: list = []
+    last_breakdown = None
     for step, start, end in windows:
         step_events = timeline.events_in(events, start, end)
         boxes = timeline.boxes_from_events(step_events)
         if not boxes:
             continue
-        breakdown = timeline.compute_breakdown(step_events)
-        steps.append({"step": step, **breakdown.as_scalars(prefix="")})
+        last_breakdown = timeline.compute_breakdown(step_events)
+        steps.append({"step": step, **last_breakdown.as_scalars(prefix="")})
         last_boxes = boxes
     if not steps:
         return None
     keys = [k for k in steps[0] if k != "step"]
     mean = {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys}
-    result = {"steps": steps, "mean": mean, "boxes": last_boxes,
-              "num_cells": 1 + max(b.cell for b in last_boxes)}
+    result = {"steps": steps, "mean": mean, "boxes": last_boxes, "step": steps[-1]["step"],
+              "breakdown": last_breakdown, "num_cells": 1 + max(b.cell for b in last_boxes)}
     path = os.path.join(trace_dir, "pipeline_breakdown.json")
     with open(path, "w") as f:
         json.dump({"steps": steps, "mean": mean}, f, indent=1)
     return result
 
 
-def write_summaries(writers, subdir: str, step: int, result: dict) -> None:
-    """Writes the Gantt chart image and the mean breakdown scalars at `step`."""
+@dataclasses.dataclass
+class Report:
+    """What the charts show of the last profiled step."""
+
+    info: Any  # gantt.StepInfo
+    config: Any  # breakdown_advice.PipelineConfig
+    predicted: list  # The schedule's predicted boxes; [] for an unknown schedule.
+    markdown: str
+    summary: str
+    advice: list[str]
+
+
+def one_line(text: str) -> str:
+    return text.replace("\n", ", ")
+
+
+def build_report(result: dict, description: PipelineDescription) -> Report:
+    """The title facts, predicted timeline, table and suggestions of `analyse`'s result."""
+    from lingvo_lite.pipeline import (
+        breakdown_advice,
+        gantt,
+        ideal_timeline,
+        pipelining_layer,
+        schedule,
+    )
+
+    boxes, breakdown = result["boxes"], result["breakdown"]
+    num_cells = description.num_cells or result["num_cells"]
+    num_micro_batches = description.num_micro_batches or 1 + max(b.micro_batch for b in boxes)
+    info = gantt.StepInfo(model=description.model or "pipeline", num_cells=num_cells,
+                          num_micro_batches=num_micro_batches, schedule=description.schedule,
+                          remat=description.remat, step_ms=breakdown.step_ns / 1e6)
+    config = breakdown_advice.PipelineConfig(
+        num_cells=num_cells, num_micro_batches=num_micro_batches, remat=description.remat,
+        partition_cost=description.partition_cost,
+        partition_costs=pipelining_layer.PARTITION_COSTS)
+    predicted = []
+    if description.schedule in schedule.SCHEDULES:
+        sched = schedule.make_schedule(description.schedule, num_cells, num_micro_batches)
+        predicted = ideal_timeline.predict_from_measured(sched, boxes)
+    tips = breakdown_advice.advice(breakdown, config)
+    return Report(info=info, config=config, predicted=predicted,
+                  markdown=breakdown_advice.markdown(
+                      breakdown, config,
+                      title=f"Global step {result['step']}: {one_line(info.title())}"),
+                  summary=breakdown_advice.summary_line(breakdown, config), advice=tips)
+
+
+def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
+    """Writes `<trace_dir>/pipeline_trace_<step>.json`; returns its path."""
+    from lingvo_lite.pipeline import chrome_trace
+
+    return chrome_trace.write_trace(
+        os.path.join(trace_dir, f"pipeline_trace_{step}.json"), result["boxes"], step,
+        predicted=report.predicted, title=one_line(report.info.title()))
+
+
+def write_summaries(writers, subdir: str, step: int, result: dict, report: Report) -> None:
+    """Writes the chart image, the breakdown text and the mean breakdown scalars at `step`."""
     import tensorflow as tf
 
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import gantt
 
-    image = timeline.gantt_image(result["boxes"], result["num_cells"])
+    figure = gantt.gantt_figure(result["boxes"], report.info, predicted=report.predicted,
+                                breakdown=result["breakdown"])
+    image = gantt.render_rgb(figure)
     with writers.writer(subdir).as_default(step=step):
         tf.summary.image("pipeline/gantt", image[None], step=step,
-                         description="Last profiled step: rows are devices; F forward (blue), "
-                         "R re-computation (green), B backward (orange) of micro-batch t.")
+                         description="Last profiled step: measured boxes per device, the "
+                         "schedule simulator's prediction from the measured mean durations, "
+                         "and GPipe's Figure 4 breakdown.")
+        tf.summary.text("pipeline/breakdown", report.markdown, step=step)
         for name, value in result["mean"].items():
             tf.summary.scalar(f"pipeline/{name}", value, step=step)
     writers.flush()

@@ -411,7 +411,10 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
             print(f"trainer.py: warning: --profile_steps={options.profile_steps} asks for steps "
                   f"this run does not train (it trains steps {start}..{max_steps}); "
                   f"{what} will be profiled.", file=err, flush=True)
-        trainer.profiler = profiling.StepProfiler(logdir, max(first, start), min(last, max_steps))
+        trainer.profiler = profiling.StepProfiler(
+            logdir, max(first, start), min(last, max_steps),
+            description=profiling.PipelineDescription.from_task_params(config.name, task_params),
+            out=out)
     return trainer.run
 
 

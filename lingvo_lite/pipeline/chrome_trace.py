@@ -1,0 +1,124 @@
+"""The pipeline's boxes as a Chrome trace-event file, for Perfetto and chrome://tracing.
+
+The file follows the Trace Event Format's JSON object form: `{"traceEvents": [...],
+"displayTimeUnit": "ms", "otherData": {...}}`. Each box is a complete event (`"ph": "X"`) named
+like `timeline.box_name` ('F cell 1 mb 3'), with `ts` and `dur` in microseconds, on thread
+(track) `tid = cell` of process `pid`: the measured step is process 1 and, when given, the
+schedule simulator's prediction process 2, so both show one track per device, one above the
+other (plus a track for boxes that overlap others of their device, see `assign_lanes`).
+Metadata events name the processes and tracks. `args` hold the phase, cell, micro-batch, op
+count and the busy runs (where the box's ops really ran).
+
+Times are written relative to the first measured box (`otherData.origin_ns`, on the profiler's
+clock): absolute nanosecond times exceed what a double holds to the nanosecond.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from lingvo_lite.pipeline import timeline
+
+MEASURED_PID = 1
+PREDICTED_PID = 2
+_PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
+                timeline.BACKWARD: "backward"}
+
+
+# Trace viewers need the slices of one track to nest. On CPUs a device's actions can overlap
+# (the shared thread pool runs a forward while the previous backward finishes), so a box that
+# overlaps an earlier one of its device goes on an extra track of that device: lane n > 0 of
+# device k is thread LANE_TID_STRIDE * n + k, named 'device k (overlapping n)'.
+LANE_TID_STRIDE = 1000
+
+
+def assign_lanes(boxes: Sequence[timeline.Box]) -> list[int]:
+    """Per box, the lowest lane of its device in which it overlaps no earlier box."""
+    lane_ends: dict[int, list[int]] = {}
+    lanes = [0] * len(boxes)
+    for i in sorted(range(len(boxes)), key=lambda i: (boxes[i].start_ns, boxes[i].end_ns)):
+        b = boxes[i]
+        ends = lane_ends.setdefault(b.cell, [])
+        lane = next((n for n, end in enumerate(ends) if end <= b.start_ns), len(ends))
+        if lane == len(ends):
+            ends.append(b.end_ns)
+        else:
+            ends[lane] = b.end_ns
+        lanes[i] = lane
+    return lanes
+
+
+def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]]) -> list[dict]:
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+               "args": {"name": process_name}},
+              {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+               "args": {"sort_index": pid}}]
+    for cell, lane in sorted(tracks):
+        tid = LANE_TID_STRIDE * lane + cell
+        name = f"device {cell}" + (f" (overlapping {lane})" if lane else "")
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                       "args": {"name": name}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                       "args": {"sort_index": LANE_TID_STRIDE * cell + lane}})
+    return events
+
+
+def _box_events(boxes: Sequence[timeline.Box], pid: int, process_name: str,
+                origin_ns: int) -> list[dict]:
+    def us(t_ns: int) -> float:
+        return (t_ns - origin_ns) / 1000.0
+
+    lanes = assign_lanes(boxes)
+    tracks = {(b.cell, 0) for b in boxes} | {(b.cell, n) for b, n in zip(boxes, lanes)}
+    return _metadata(pid, process_name, tracks) + [{
+        "ph": "X", "name": timeline.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
+        "pid": pid, "tid": LANE_TID_STRIDE * lane + b.cell, "ts": us(b.start_ns),
+        "dur": (b.end_ns - b.start_ns) / 1000.0,
+        "args": {"phase": b.phase, "cell": b.cell, "micro_batch": b.micro_batch,
+                 "ops": b.num_ops, "busy_us": b.busy_ns / 1000.0,
+                 "busy_runs_us": [[us(s), us(e)] for s, e in b.segments]},
+    } for b, lane in zip(boxes, lanes)]
+
+
+def trace_events(measured: Sequence[timeline.Box], step: int,
+                 predicted: Sequence[timeline.Box] | None = None,
+                 title: str = "") -> dict:
+    """The trace-event JSON object of one step's boxes (and the schedule's prediction)."""
+    if not measured:
+        raise ValueError("trace_events needs at least one measured box.")
+    origin_ns = min(b.start_ns for b in measured)
+    events = _box_events(measured, MEASURED_PID, f"measured: global step {step}", origin_ns)
+    if predicted:  # Predictions start at 0.
+        events += _box_events(predicted, PREDICTED_PID, "predicted by the schedule simulator", 0)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}
+
+
+def write_trace(path: str, measured: Sequence[timeline.Box], step: int,
+                predicted: Sequence[timeline.Box] | None = None, title: str = "") -> str:
+    """Writes `trace_events(...)` to `path` (open it in https://ui.perfetto.dev); returns it."""
+    with open(path, "w") as f:
+        json.dump(trace_events(measured, step, predicted, title), f)
+    return path
+
+
+def boxes_from_trace(trace: dict, pid: int = MEASURED_PID) -> list[timeline.Box]:
+    """The boxes of process `pid` of a trace written by `trace_events`, in profiler ns."""
+    origin_ns = int(trace["otherData"]["origin_ns"]) if pid == MEASURED_PID else 0
+
+    def ns(t_us: float) -> int:
+        return origin_ns + round(t_us * 1000.0)
+
+    boxes = []
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e.get("pid") != pid:
+            continue
+        args = e["args"]
+        start = ns(e["ts"])
+        boxes.append(timeline.Box(
+            cell=int(args["cell"]), phase=args["phase"], micro_batch=int(args["micro_batch"]),
+            start_ns=start, end_ns=start + round(e["dur"] * 1000.0),
+            busy_ns=round(args["busy_us"] * 1000.0), num_ops=int(args["ops"]),
+            segments=tuple((ns(s), ns(t)) for s, t in args["busy_runs_us"])))
+    return sorted(boxes, key=lambda b: (b.cell, b.start_ns, timeline.PHASES.index(b.phase)))

@@ -1,0 +1,275 @@
+"""The pipeline's Gantt chart as a matplotlib figure: measured, predicted and the breakdown.
+
+One figure, top to bottom:
+  - the measured step: one row per device, time in milliseconds since the first pipeline op,
+    each action phase a box coloured by phase (forward, recompute, backward, weight gradient)
+    spanning its first op start to its last op end, drawn light where no op of it ran and solid
+    where its ops ran; grey where the device is idle; the micro-batch number inside the box when
+    it fits (turned upright in narrow boxes; where boxes are too narrow, every n-th number);
+  - optionally the simulator's predicted timeline (`ideal_timeline`) on the same time axis: idle
+    time the prediction also has comes from the schedule (its bubble) and the devices' unequal
+    work; the rest is the runtime's;
+  - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
+
+The figure is a plain `matplotlib.figure.Figure` on the Agg canvas: no pyplot state and no
+display. Artists carry gids (`timeline.box_name(box)`, '<name> label', 'idle device k',
+'breakdown <part>') so tests and tools can find them; axes carry labels 'measured',
+'predicted' and 'breakdown'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from lingvo_lite.pipeline import timeline
+
+WEIGHT_GRADIENT = "W"  # Drawn once the executor splits weight gradients from the backward.
+PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
+               timeline.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}
+PHASE_COLORS = {timeline.FORWARD: "#3b78e7", timeline.RECOMPUTE: "#2e9e4f",
+                timeline.BACKWARD: "#f08a00", WEIGHT_GRADIENT: "#9c4fd6"}
+IDLE_COLOR = "#e4e4e4"
+BREAKDOWN_PARTS = {"setup": "setup", "compute": "compute", "recompute": "recompute",
+                   "load_imbalance": "load imbalance", "bubble": "bubble",
+                   "weight_update": "weight update"}
+BREAKDOWN_COLORS = {"setup": "#9e9e9e", "compute": "#3b78e7", "recompute": "#2e9e4f",
+                    "load_imbalance": "#d93025", "bubble": "#fbbc04",
+                    "weight_update": "#6d4c41"}
+
+# TensorBoard shows an image card 350 pixels wide (full size on request): a narrow figure
+# with large type, drawn at 150 dpi (750 pixels), keeps its text about 9 pixels tall at that
+# size and its details sharp at full size.
+FIGURE_WIDTH_IN = 5.0
+DPI = 150
+ROW_HEIGHT_IN = 0.3  # Per device: the figure's height grows with K.
+BAR_HEIGHT = 0.8  # Of a row.
+FONT_PT = 9.5
+TITLE_FONT_PT = 11.0
+LABEL_FONT_PT = 8.5
+NARROW_LABEL_FONT_PT = 6.5
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What the chart's title says about the run."""
+
+    model: str
+    num_cells: int
+    num_micro_batches: int
+    schedule: str
+    remat: str
+    step_ms: float
+
+    def title(self) -> str:
+        return (f"{self.model}: step {self.step_ms:.1f} ms\nK={self.num_cells}, "
+                f"T={self.num_micro_batches}, schedule {self.schedule}, remat {self.remat}")
+
+
+def phases_present(boxes: Sequence[timeline.Box]) -> list[str]:
+    """The phases of `boxes`, in PHASE_NAMES order."""
+    present = {b.phase for b in boxes}
+    return [p for p in PHASE_NAMES if p in present]
+
+
+def device_idle_fraction(boxes: Sequence[timeline.Box], cell: int, start_ns: int,
+                         end_ns: int) -> float:
+    """Share of [start_ns, end_ns) during which no op of `cell` ran."""
+    runs = [seg for b in boxes if b.cell == cell
+            for seg in (b.segments or ((b.start_ns, b.end_ns),))]
+    return 1.0 - timeline.union_ns(runs) / max(end_ns - start_ns, 1)
+
+
+def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tuple[int, int]]:
+    """`runs` (sorted, disjoint) with gaps shorter than `min_gap_ns` filled."""
+    out: list[list[int]] = []
+    for start, end in runs:
+        if out and start - out[-1][1] < min_gap_ns:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int,
+                   span_ms: float) -> None:
+    """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
+
+    The axis spans `span_ms` (shared by the panels); idle shares are of these boxes' own span.
+    """
+    end_ns = max(b.end_ns for b in boxes)
+    # Gaps narrower than a pixel between a box's ops would draw as a hatch of hairlines.
+    min_gap_ns = span_ms * 1e6 / (FIGURE_WIDTH_IN * DPI)
+    for k in range(num_cells):
+        ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
+    for b in boxes:
+        color = PHASE_COLORS.get(b.phase, "#777777")
+        start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
+        ax.barh(b.cell, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
+                edgecolor="white", linewidth=0.6, gid=timeline.box_name(b))
+        segments = [((s - t0_ns) / 1e6, (e - s) / 1e6)
+                    for s, e in _close_gaps(b.segments, min_gap_ns)]
+        if segments:
+            ax.broken_barh(segments, (b.cell - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
+                           linewidth=0, gid=f"{timeline.box_name(b)} busy")
+    ax.set_ylim(num_cells - 0.5, -0.5)  # Device 0 on top.
+    ax.set_yticks(range(num_cells))
+    ax.set_yticklabels([
+        f"device {k}\nidle {100 * device_idle_fraction(boxes, k, t0_ns, end_ns):.0f}%"
+        for k in range(num_cells)], fontsize=FONT_PT)
+    ax.set_xlim(0.0, span_ms)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
+    ax.tick_params(axis="y", length=0)
+    ax.grid(axis="x", color="white", linewidth=0.8)
+    ax.set_axisbelow(False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float, int] | None:
+    """(font size, rotation) that fits `label` inside a box of that size, None if none does."""
+    pt_to_px = DPI / 72.0
+    for size, rotation in ((LABEL_FONT_PT, 0), (NARROW_LABEL_FONT_PT, 90)):
+        # A digit advances ~0.6 em and stands ~0.75 em tall.
+        along = 0.62 * size * pt_to_px * len(label) + 3
+        across = 0.75 * size * pt_to_px + 1.5
+        room_along, room_across = (width_px, row_px) if rotation == 0 else (row_px, width_px)
+        if along <= room_along and across <= room_across:
+            return size, rotation
+    return None
+
+
+def _label_boxes(ax, boxes: Sequence[timeline.Box], t0_ns: int) -> None:
+    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
+
+    Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
+    that may cover its neighbours, n the smallest power of two that leaves room for it.
+    """
+    px_per_ms = ax.transData.transform((1.0, 0.0))[0] - ax.transData.transform((0.0, 0.0))[0]
+    row_px = abs(ax.transData.transform((0.0, BAR_HEIGHT))[1]
+                 - ax.transData.transform((0.0, 0.0))[1])
+    widths = {b: (b.end_ns - b.start_ns) / 1e6 * px_per_ms for b in boxes}
+    needed_px = 0.62 * LABEL_FONT_PT * DPI / 72.0 * 2 + 6  # Two digits and a margin.
+    typical_px = float(np.median(list(widths.values())))
+    stride = 2
+    while stride * typical_px < needed_px and stride < 64:
+        stride *= 2
+    for b in boxes:
+        label = str(b.micro_batch)
+        center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
+        placement = _label_placement(label, widths[b], row_px)
+        if placement is not None:
+            ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
+                    rotation=placement[1], color="black", gid=f"{timeline.box_name(b)} label",
+                    clip_on=True)
+        elif b.micro_batch % stride == 0 and b.phase != timeline.RECOMPUTE:
+            ax.text(center_ms, b.cell, label, ha="center", va="center",
+                    fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
+                    gid=f"{timeline.box_name(b)} label",
+                    bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
+                          "edgecolor": "none", "alpha": 0.85})
+
+
+def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
+    left = 0.0
+    for part, name in BREAKDOWN_PARTS.items():
+        share = 100.0 * float(getattr(breakdown, part))
+        ax.barh(0, share, left=left, height=0.8, color=BREAKDOWN_COLORS[part],
+                label=f"{name} {share:.0f}%", gid=f"breakdown {part}")
+        if share >= 6.0:
+            ax.text(left + share / 2, 0, f"{share:.0f}%", ha="center", va="center",
+                    fontsize=FONT_PT, color="white" if part != "bubble" else "black")
+        left += share
+    ax.set_xlim(0, 100)
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel("share of the step time (%)", fontsize=FONT_PT)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
+    ax.set_title(f"Where the {breakdown.step_ns / 1e6:.1f} ms step went (GPipe Figure 4)",
+                 fontsize=FONT_PT + 0.5, loc="left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -1.2), ncol=3, fontsize=FONT_PT,
+              frameon=False, handlelength=1.2, columnspacing=1.0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
+                 predicted: Sequence[timeline.Box] | None = None,
+                 breakdown: timeline.Breakdown | None = None) -> Figure:
+    """The chart of one step's `measured` boxes (see the module docstring).
+
+    Args:
+      measured: the boxes of one step (`timeline.boxes_from_events`).
+      info: the title's facts; `info.num_cells` rows are drawn.
+      predicted: the schedule's prediction (`ideal_timeline.predict_from_measured`), drawn
+        under the measured step on the same axis.
+      breakdown: the step's Figure 4 breakdown, drawn at the bottom.
+    """
+    if not measured:
+        raise ValueError("gantt_figure needs at least one box; was a pipeline step profiled?")
+    num_cells = max(info.num_cells, 1 + max(b.cell for b in measured))
+    t0_ns = min(b.start_ns for b in measured)
+    measured_ms = (max(b.end_ns for b in measured) - t0_ns) / 1e6
+    span_ms = measured_ms
+    if predicted:
+        predicted_ms = max(b.end_ns for b in predicted) / 1e6
+        span_ms = max(span_ms, predicted_ms)
+    panels = [("measured", num_cells * ROW_HEIGHT_IN + 0.2)]
+    if predicted:
+        panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.2))
+    if breakdown is not None:
+        panels.append(("breakdown", 0.3))
+    height_in = (sum(h for _, h in panels) + 0.6 * len(panels) + 1.2
+                 + (0.5 if breakdown is not None else 0.0))
+    fig = Figure(figsize=(FIGURE_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False,
+                        gridspec_kw={"height_ratios": [h for _, h in panels]})[:, 0]
+    fig.suptitle(info.title(), fontsize=TITLE_FONT_PT, fontweight="bold")
+    by_label = {}
+    for ax, (label, _) in zip(axes, panels):
+        ax.set_label(label)
+        by_label[label] = ax
+    ax = by_label["measured"]
+    _draw_timeline(ax, measured, num_cells, t0_ns, span_ms)
+    ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
+    handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p]) for p in phases_present(measured)]
+    handles.append(Patch(color=IDLE_COLOR, label="idle"))
+    if predicted:
+        ax = by_label["predicted"]
+        _draw_timeline(ax, predicted, num_cells, 0, span_ms)
+        ax.set_title(f"Simulated {info.schedule} schedule, mean durations: "
+                     f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
+    timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
+    timelines[-1].set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)
+    timelines[-1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45),
+                         ncol=len(handles), fontsize=FONT_PT, frameon=False, handlelength=1.2,
+                         columnspacing=1.0)
+    if breakdown is not None:
+        _draw_breakdown(by_label["breakdown"], breakdown)
+    fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.
+    _label_boxes(by_label["measured"], measured, t0_ns)
+    if predicted:
+        _label_boxes(by_label["predicted"], predicted, 0)
+    return fig
+
+
+def render_rgb(fig: Figure) -> np.ndarray:
+    """The figure as an RGB uint8 array [height, width, 3] (for `tf.summary.image`)."""
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+def render_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()

@@ -1,0 +1,62 @@
+"""Suggestions from the breakdown: they fire for an imbalanced partition, not a balanced one."""
+
+from __future__ import annotations
+
+import unittest
+
+from lingvo_lite.pipeline import breakdown_advice, timeline
+
+CONFIG = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=8)
+
+
+def _breakdown(busy0: float, busy1: float, bubble: float) -> timeline.Breakdown:
+    """A 100 ms step: 5% setup, 5% weight update, devices busy busy0 and busy1 of it."""
+    pipelined = 0.9
+    mean = (busy0 + busy1) / 2
+    return timeline.Breakdown(
+        step_ns=100_000_000, setup=0.05, compute=mean, recompute=0.0,
+        load_imbalance=max(busy0, busy1) - mean, bubble=bubble, weight_update=0.05,
+        device_busy=(busy0, busy1),
+        device_idle_in_pipeline=(1 - busy0 / pipelined, 1 - busy1 / pipelined))
+
+
+class AdviceTest(unittest.TestCase):
+
+    def test_imbalanced_partition_gets_a_rebalancing_suggestion(self):
+        # Device 1 busy 72% of the step, device 0 36%: 2x; imbalance (72 - 54)% = 18%.
+        b = _breakdown(0.36, 0.72, bubble=0.18)
+        line = breakdown_advice.summary_line(b, CONFIG)
+        self.assertTrue(line.startswith("bubble 18%, load imbalance 18%: device 1 is 2.0x "
+                                        "busier than device 0;"), msg=line)
+        self.assertIn("partition_cost=", line)
+        measured = breakdown_advice.PipelineConfig(
+            num_cells=2, num_micro_batches=8,
+            partition_costs=("flops", "param_bytes", "activation_bytes", "measured"))
+        self.assertIn("consider partition_cost='measured'",
+                      breakdown_advice.summary_line(b, measured))
+
+    def test_balanced_partition_gets_no_suggestion(self):
+        # Both devices busy 80% of the step: GPipe's bound at K=2, T=8 is 1/9 = 11% of
+        # the 90% pipelined time, i.e. 10% of the step; measured bubble 10%.
+        b = _breakdown(0.80, 0.80, bubble=0.10)
+        self.assertEqual([], breakdown_advice.advice(b, CONFIG))
+        self.assertEqual("bubble 10%, load imbalance 0%: balanced, nothing to suggest",
+                         breakdown_advice.summary_line(b, CONFIG))
+
+    def test_few_micro_batches_suggest_more(self):
+        b = _breakdown(0.45, 0.45, bubble=0.45)
+        few = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=1)
+        tips = breakdown_advice.advice(b, few)
+        self.assertTrue(any("num_micro_batches=8" in t for t in tips), msg=tips)
+
+    def test_markdown_table_lists_every_part_and_device(self):
+        text = breakdown_advice.markdown(_breakdown(0.36, 0.72, bubble=0.18), CONFIG)
+        for row in ("| setup | 5.0% | 5.00 |", "| load imbalance | 18.0% | 18.00 |",
+                    "| bubble | 18.0% | 18.00 |", "| 0 | 36.0% | 60.0% |",
+                    "| 1 | 72.0% | 20.0% |"):
+            self.assertIn(row, text)
+        self.assertIn("- load imbalance 18%: device 1 is 2.0x busier", text)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,162 @@
+"""The Gantt figure, checked through matplotlib's objects against a hand-written step.
+
+The step: K=2 devices, T=2 micro-batches, GPipe order, times in ns chosen so every box is
+wide (labels fit) and one device idles at known times. Every expectation below is stated from
+this table, not from the code under test.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import numpy as np
+from matplotlib.patches import Rectangle
+from matplotlib.text import Text
+
+from lingvo_lite.pipeline import gantt, ideal_timeline, schedule, timeline
+
+MS = 1_000_000  # ns
+T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.
+
+
+def _box(cell, phase, mb, start_ms, end_ms):
+    start, end = T0 + start_ms * MS, T0 + end_ms * MS
+    return timeline.Box(cell, phase, mb, start, end, end - start, 3, ((start, end),))
+
+
+# (cell, phase, micro-batch, start ms, end ms) of the measured step.
+STEP = [
+    (0, "F", 0, 0, 10), (0, "F", 1, 10, 20),
+    (1, "F", 0, 10, 20), (1, "F", 1, 20, 30), (1, "B", 1, 30, 50), (1, "B", 0, 50, 70),
+    (0, "R", 1, 50, 55), (0, "B", 1, 55, 75), (0, "R", 0, 75, 80), (0, "B", 0, 80, 100),
+]
+BOXES = [_box(*row) for row in STEP]
+INFO = gantt.StepInfo(model="TinyModel", num_cells=2, num_micro_batches=2, schedule="gpipe",
+                      remat="always", step_ms=110.0)
+BREAKDOWN = timeline.Breakdown(
+    step_ns=110 * MS, setup=0.05, compute=0.55, recompute=0.05, load_imbalance=0.1,
+    bubble=0.2, weight_update=0.05, device_busy=(0.9, 0.6), device_idle_in_pipeline=(0.0, 0.3))
+
+
+def _axes(fig, label):
+    return next(ax for ax in fig.axes if ax.get_label() == label)
+
+
+def _phase_legend(fig) -> list[str]:
+    """The entries of the figure's one legend that has an 'idle' entry."""
+    legends = [[t.get_text() for t in ax.get_legend().get_texts()]
+               for ax in fig.axes if ax.get_legend() is not None]
+    found = [entries for entries in legends if "idle" in entries]
+    assert len(found) == 1, legends
+    return found[0]
+
+
+def _rect(ax, gid) -> Rectangle:
+    found = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_gid() == gid]
+    assert len(found) == 1, (gid, len(found))
+    return found[0]
+
+
+class GanttFigureTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.fig = gantt.gantt_figure(BOXES, INFO, breakdown=BREAKDOWN)
+        cls.ax = _axes(cls.fig, "measured")
+
+    def test_one_row_per_device_and_a_time_axis_in_ms(self):
+        labels = [t.get_text() for t in self.ax.get_yticklabels()]
+        self.assertEqual(2, len(labels))
+        self.assertTrue(labels[0].startswith("device 0") and labels[1].startswith("device 1"))
+        self.assertIn("(ms)", self.ax.get_xlabel())
+        self.assertEqual((0.0, 100.0), self.ax.get_xlim())  # First op start to last op end.
+        # Device 0 idles from 20 to 50 ms: 30 of 100 ms. Device 1: 0-10 and 70-100 ms.
+        self.assertIn("idle 30%", labels[0])
+        self.assertIn("idle 40%", labels[1])
+
+    def test_a_box_per_action_with_its_start_duration_row_and_label(self):
+        texts = {t.get_gid(): t for t in self.ax.texts if isinstance(t, Text)}
+        for cell, phase, mb, start_ms, end_ms in STEP:
+            name = f"{phase} cell {cell} mb {mb}"
+            rect = _rect(self.ax, name)
+            self.assertAlmostEqual(start_ms, rect.get_x())
+            self.assertAlmostEqual(end_ms - start_ms, rect.get_width())
+            self.assertAlmostEqual(cell, rect.get_y() + rect.get_height() / 2)
+            label = texts[f"{name} label"]
+            self.assertEqual(str(mb), label.get_text())
+            x, y = label.get_position()
+            self.assertAlmostEqual((start_ms + end_ms) / 2, x)
+            self.assertAlmostEqual(cell, y)
+        boxes = [p for p in self.ax.patches if (p.get_gid() or "")[:1] in "FRB"]
+        self.assertEqual(len(STEP), len(boxes))
+
+    def test_phase_colours_and_a_legend_entry_per_phase_present(self):
+        self.assertEqual(["forward", "recompute", "backward", "idle"], _phase_legend(self.fig))
+        self.assertNotEqual(_rect(self.ax, "F cell 0 mb 0").get_facecolor()[:3],
+                            _rect(self.ax, "B cell 0 mb 0").get_facecolor()[:3])
+        without_recompute = [b for b in BOXES if b.phase != "R"]
+        fig = gantt.gantt_figure(without_recompute, INFO)
+        self.assertEqual(["forward", "backward", "idle"], _phase_legend(fig))
+
+    def test_idle_band_spans_each_row(self):
+        for k in range(2):
+            band = _rect(self.ax, f"idle device {k}")
+            self.assertEqual((0.0, 100.0), (band.get_x(), band.get_x() + band.get_width()))
+
+    def test_title_names_model_k_t_schedule_remat_and_step_time(self):
+        title = self.fig.get_suptitle()
+        for fact in ("TinyModel", "K=2", "T=2", "gpipe", "remat always", "110.0 ms"):
+            self.assertIn(fact, title)
+
+    def test_breakdown_is_a_stacked_bar_of_the_six_parts(self):
+        ax = _axes(self.fig, "breakdown")
+        parts = [("setup", 5), ("compute", 55), ("recompute", 5), ("load_imbalance", 10),
+                 ("bubble", 20), ("weight_update", 5)]
+        left = 0.0
+        for part, pct in parts:
+            rect = _rect(ax, f"breakdown {part}")
+            self.assertAlmostEqual(left, rect.get_x())
+            self.assertAlmostEqual(pct, rect.get_width())
+            left += pct
+        self.assertAlmostEqual(100.0, left)
+
+    def test_predicted_panel_replays_the_schedule(self):
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        predicted = ideal_timeline.predict_from_measured(sched, BOXES)
+        fig = gantt.gantt_figure(BOXES, INFO, predicted=predicted)
+        ax = _axes(fig, "predicted")
+        # Mean durations: F 10 ms on both devices, B 20 ms, R 5 ms on device 0. GPipe with
+        # no waits: device 1 runs F0 10-20, F1 20-30, B1 30-50, B0 50-70; device 0 then
+        # R1 50-55, B1 55-75, R0 75-80, B0 80-100: the hand-written step had no waits.
+        for cell, phase, mb, start_ms, end_ms in STEP:
+            rect = _rect(ax, f"{phase} cell {cell} mb {mb}")
+            self.assertAlmostEqual(start_ms, rect.get_x())
+            self.assertAlmostEqual(end_ms - start_ms, rect.get_width())
+        self.assertEqual(_axes(fig, "measured").get_xlim(), ax.get_xlim())
+
+    def test_height_grows_with_k_and_large_pipelines_render(self):
+        heights = {}
+        for K, T in ((2, 8), (8, 32)):
+            sched = schedule.make_schedule("gpipe", K, T)
+            durations = {(k, p): d * MS for k in range(K) for p, d in (("F", 1), ("B", 2))}
+            boxes = ideal_timeline.predict_boxes(sched, durations)
+            fig = gantt.gantt_figure(boxes, gantt.StepInfo("M", K, T, "gpipe", "never", 1.0))
+            image = gantt.render_rgb(fig)
+            self.assertEqual(np.uint8, image.dtype)
+            self.assertEqual(gantt.FIGURE_WIDTH_IN * gantt.DPI, image.shape[1])
+            heights[K] = image.shape[0]
+            labels = {t.get_gid() for t in _axes(fig, "measured").texts}
+            # At T=8 every micro-batch is labelled on every device, at least in its backward
+            # box. At K=8, T=32 a backward box is 2 of (T+K-1) x 3 = 117 ms, about 10 pixels:
+            # too narrow for a number, so at least every 4th micro-batch is labelled.
+            every = 1 if T <= 8 else 4
+            for k in range(K):
+                for t in range(0, T, every):
+                    self.assertTrue({f"F cell {k} mb {t} label", f"B cell {k} mb {t} label"}
+                                    & labels, msg=f"K={K}, T={T}, cell {k}, mb {t}")
+        # Six more devices: six more rows, each tall enough for a line of text (30 px).
+        self.assertGreaterEqual(heights[8] - heights[2], 6 * 30)
+
+
+if __name__ == "__main__":
+    unittest.main()
