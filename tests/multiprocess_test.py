@@ -23,6 +23,7 @@ import time
 import pytest
 import tensorflow as tf
 from cluster_test import _free_ports
+from subprocesses import stop_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tests.testdata_models.TinyMlp"
@@ -45,13 +46,6 @@ def _launch(logdir: str, flags: list[str], tf_config: str | None) -> subprocess.
         stderr=subprocess.STDOUT, text=True)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-
-
 def _weights(logdir: str) -> dict:
     path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
     return {k: tf.train.load_variable(path, k) for k, _ in tf.train.list_variables(path)
@@ -72,7 +66,7 @@ class MultiProcessTrainerTest(tf.test.TestCase):
         try:
             outs = [p.communicate(timeout=240)[0] for p in procs]
         finally:
-            _stop(procs)
+            stop_processes(procs)
         return [(p.returncode, out) for p, out in zip(procs, outs)]
 
     def _assert_same_weights(self, want_dir: str, got_dir: str) -> None:
@@ -130,7 +124,7 @@ class MultiProcessTrainerTest(tf.test.TestCase):
                 self.assertIn("Rerun every process", lines[0])
                 self.assertNotIn("Traceback", out)
             finally:
-                _stop(list(procs.values()))
+                stop_processes(list(procs.values()))
             step = int(tf.train.latest_checkpoint(ckpt_dir).rsplit("-", 1)[1])
             self.assertLess(step, 300, "the run ended before the kill; nothing was resumed")
             rerun = self._run_cluster(logdir, flags)

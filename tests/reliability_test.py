@@ -27,6 +27,7 @@ import pytest
 import reliability_models  # noqa: F401 (registers reliability_models.*)
 import tensorflow as tf
 import testdata_models  # noqa: F401 (registers testdata_models.*)
+from subprocesses import stop_processes
 from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
@@ -767,10 +768,7 @@ class BadInputTest(tf.test.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        for proc in cls.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        stop_processes(cls.procs.values())
         shutil.rmtree(cls.root, ignore_errors=True)
         shutil.rmtree(cls.data_root, ignore_errors=True)
         super().tearDownClass()

@@ -28,6 +28,7 @@ from unittest import mock
 import numpy as np
 import tensorflow as tf
 from pipeline_test import WIDTH, _loss, _proj, input_shapes, make_batch
+from subprocesses import stop_processes
 
 from lingvo_lite import fprop_context
 from lingvo_lite.pipeline import pipelining_layer, placement, tpu
@@ -347,10 +348,7 @@ class TrainerWithoutTPUTest(tf.test.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        for proc in cls.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        stop_processes(cls.procs.values())
         super().tearDownClass()
 
     def _assert_one_line_error(self, name: str, *expected: str) -> None:

@@ -19,6 +19,7 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 import testdata_models
+from subprocesses import stop_processes
 from tensorboard.backend.event_processing import event_accumulator
 
 from lingvo_lite import hyperparams
@@ -138,10 +139,7 @@ class TrainerTest(tf.test.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        for proc in cls.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        stop_processes(cls.procs.values())
         shutil.rmtree(cls.root, ignore_errors=True)
         super().tearDownClass()
 
