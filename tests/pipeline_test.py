@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+import graph_structure
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -285,8 +286,7 @@ class PlacementTest(tf.test.TestCase):
             return out.loss, grads.Flatten()
 
         graph = step.get_concrete_function(make_batch()).graph
-        seen = {(k, phase): 0 for k in range(num_cells)
-                for phase in ("fprop", "recompute", "bprop")}
+        seen = {(k, kind): 0 for k in range(num_cells) for kind in ("fprop", "bprop")}
         for op in graph.get_operations():
             parts = op.name.split("/")
             if not parts[0].startswith("cell_") or op.type in ("Placeholder", "ReadVariableOp"):
@@ -295,10 +295,19 @@ class PlacementTest(tf.test.TestCase):
                 continue
             k = int(parts[0].split("_")[1])
             self.assertEndsWith(op.device, f"CPU:{k}", msg=op.name)
-            phase = "recompute" if "recompute" in parts else parts[1].split("_mb_")[0]
-            seen[(k, phase)] += 1
+            kind = parts[1].split("_mb_")[0]
+            if op.type in graph_structure.CALL_OPS and kind in ("fprop", "bprop"):
+                seen[(k, kind)] += 1
         for key, count in seen.items():
-            self.assertGreater(count, 0, msg=f"no ops for cell/phase {key}")
+            self.assertGreater(count, 0, msg=f"no function call for cell/phase {key}")
+        # The calls' bodies hold the cell's ops (they run on the call's device): forward,
+        # re-computation and backward of every cell.
+        bodies = " ".join(
+            name for f in graph_structure.function_library(graph).values()
+            for name in [n.name for n in f.node_def])
+        for k in range(num_cells):
+            for scope in (f"cell_{k}/fprop/", f"cell_{k}/bprop/recompute/"):
+                self.assertIn(scope, bodies)
 
 
 class PartitionAndErrorsTest(tf.test.TestCase):
@@ -401,10 +410,12 @@ class ExceptLastTest(tf.test.TestCase):
 
         graph = tf.function(step, autograph=False).get_concrete_function(make_batch()).graph
         found = set()
-        for op in graph.get_operations():
+        for op in graph_structure.call_ops(graph):
             parts = op.name.split("/")
-            if len(parts) > 2 and parts[2] == "recompute":
-                found.add((int(parts[0].split("_")[1]), int(parts[1].split("_mb_")[1])))
+            k = int(parts[0].split("_")[1])
+            if parts[1].startswith("bprop_mb_") and \
+                    f"cell_{k}_bprop" in graph_structure.called_function(op):
+                found.add((k, int(parts[1].split("_mb_")[1])))
         return found
 
     def test_gpipe_recomputes_all_but_the_last_micro_batch_of_each_cell(self):
@@ -430,16 +441,16 @@ class BackwardOrderTest(tf.test.TestCase):
 
         graph = tf.function(step, autograph=False).get_concrete_function(make_batch()).graph
         for t in range(2):
-            weight_grads = [op for op in graph.get_operations()
-                            if op.name.startswith(f"gradient_tape/cell_1/bprop_mb_{t}/")
-                            and op.type == "MatMul" and op.get_attr("transpose_a")]
-            recompute = [op for op in graph.get_operations()
-                         if op.name.startswith(f"cell_0/bprop_mb_{t}/recompute/")]
-            self.assertNotEmpty(weight_grads)
-            self.assertNotEmpty(recompute)
-            ancestors = _ancestors(recompute[0])
-            for op in weight_grads:
-                self.assertTrue(op in ancestors, msg=f"{op.name} may run after cell 0 recomputes")
+            # Each backward is one call of the cell's backward function, which re-computes,
+            # differentiates and adds the weight gradients to the sums it returns.
+            next_cell = [op for op in graph_structure.call_ops(graph, f"cell_1/bprop_mb_{t}/")
+                         if "cell_1_bprop" in graph_structure.called_function(op)]
+            this_cell = [op for op in graph_structure.call_ops(graph, f"cell_0/bprop_mb_{t}/")
+                         if "cell_0_bprop" in graph_structure.called_function(op)]
+            self.assertLen(next_cell, 1)
+            self.assertLen(this_cell, 1)
+            self.assertIn(next_cell[0], _ancestors(this_cell[0]),
+                          msg=f"cell 0 may re-compute micro-batch {t} before cell 1's backward")
 
 
 def _ancestors(op: tf.Operation) -> set:

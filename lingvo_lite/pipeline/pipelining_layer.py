@@ -25,103 +25,28 @@ inter-op thread pool.
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ContextManager
 
 import tensorflow as tf
-from absl import logging
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context as tf_context
 
 from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import collectives, micro_batch, partition, placement, schedule, tpu
+from lingvo_lite.pipeline import (
+    collectives,
+    executor,
+    micro_batch,
+    partition,
+    placement,
+    remat,
+    schedule,
+    tpu,
+)
+from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
-REMAT_MODES = ("always", "except_last", "never")
-# Grappler rewrites that merge a recomputed forward back into the original one
-# (arithmetic optimisation's common-subexpression elimination) or drop the
-# control edges that delay it (dependency optimisation): with them on, peak
-# memory with re-materialisation was no lower than without (BENCHMARKS.md).
-_REWRITES_THAT_UNDO_REMAT = ("arithmetic_optimization", "dependency_optimization")
-
-
-def keep_recomputation_in_graphs() -> None:
-    """Turns off the graph rewrites that silently undo re-materialisation (process-wide)."""
-    options = tf.config.optimizer.get_experimental_options()
-    if all(options.get(name) is False for name in _REWRITES_THAT_UNDO_REMAT):
-        return
-    logging.info("Re-materialisation: disabling grappler %s so recomputation is kept.",
-                 ", ".join(_REWRITES_THAT_UNDO_REMAT))
-    tf.config.optimizer.set_experimental_options(
-        {name: False for name in _REWRITES_THAT_UNDO_REMAT})
+REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes")
-SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
-
-
-@contextlib.contextmanager
-def serial_function_calls(enabled: bool = True) -> Iterator[None]:
-    """Function calls created inside (and their tape gradients) run one op at a time.
-
-    TensorFlow's single-threaded executor rejects reference-typed edges, which
-    grappler's memory optimiser creates when it turns a large AddN into an
-    in-place accumulation; that rewrite is switched off for these calls only.
-    """
-    if not enabled:
-        yield
-        return
-    ctx = tf_context.context()
-    saved = ctx.function_call_options
-    options = copy.copy(saved)
-    config = config_pb2.ConfigProto()
-    config.ParseFromString(saved.config_proto_serialized)
-    config.graph_options.rewrite_options.memory_optimization = (
-        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
-    options.config_proto_serialized = config
-    options.executor_type = SERIAL_EXECUTOR
-    ctx.function_call_options = options
-    try:
-        yield
-    finally:
-        ctx.function_call_options = saved
-
-
-def serial_call(fn: Callable[[Any], Any], x: Any) -> Any:
-    """`fn(x)` as one non-inlined function call that runs its ops one at a time.
-
-    Inside the function the caller's name scope is re-entered (profiler traces still
-    map ops to cells), and statistics that layers report to the current
-    `fprop_context` update collector leave the function as extra outputs.
-    """
-    scope = tf.compat.v1.get_default_graph().get_name_scope()
-    outer = fprop_context.current().updates
-    traced: dict[str, Any] = {}
-
-    flat_in = _flat(x)
-
-    def body(*flat_x: Any) -> list[Any]:
-        inner = fprop_context.UpdateCollector() if outer is not None else None
-        leaves = [tf.cast(v, tf.int32) if _is_host_int(orig) else v
-                  for v, orig in zip(flat_x, flat_in)]
-        with tf.name_scope(scope + "/" if scope else ""), \
-                fprop_context.fprop_context(updates=inner):
-            y = fn(_pack(x, leaves))
-        reports = [(layer, s) for layer, per_call in (inner.items() if inner else [])
-                   for s in per_call]
-        traced.update(y=y, reports=reports)
-        return (tf.nest.flatten(y, expand_composites=True)
-                + [leaf for _, s in reports for leaf in tf.nest.flatten(s)])
-
-    call = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
-    with serial_function_calls():
-        flat_out = list(call(*[_to_call_device(v) for v in flat_in]))
-    num_y = len(tf.nest.flatten(traced["y"], expand_composites=True))
-    y = tf.nest.pack_sequence_as(traced["y"], flat_out[:num_y], expand_composites=True)
-    rest = iter(flat_out[num_y:])
-    for layer, s in traced["reports"]:
-        outer.add(layer, tf.nest.pack_sequence_as(s, [next(rest) for _ in tf.nest.flatten(s)]))
-    return y
 
 
 def _check_tensor_leaves(value: Any, where: str) -> None:
@@ -150,43 +75,6 @@ def _applying_side_updates(step: Callable[[], Any]) -> Any:
         result = step()
     collector.apply()
     return result
-
-
-def _is_host_int(v: Any) -> bool:
-    return v is not None and v.dtype == tf.int32
-
-
-def _to_call_device(v: Any) -> Any:
-    """`v` on the current device, and as int64 if it is int32.
-
-    The arguments of a serial function call must already live on its device:
-    an argument from another device, or an int32 one (TensorFlow pins int32
-    function arguments to the host CPU, CPU:0), turns the call into a multi-device
-    function whose single-threaded part blocks an inter-op thread until the copy
-    arrives. Run eagerly, K cells with fewer inter-op threads than such pending
-    copies deadlocked (issue 12).
-    """
-    if v is None:
-        return None
-    return tf.cast(v, tf.int64) if _is_host_int(v) else tf.identity(v)
-
-
-def _flat(x: Any) -> list[Any]:
-    return x.Flatten() if isinstance(x, NestedMap) else [x]
-
-
-def _pack(like: Any, leaves: list[Any]) -> Any:
-    return like.Pack(leaves) if isinstance(like, NestedMap) else leaves[0]
-
-
-def _is_float(x: Any) -> bool:
-    return x is not None and x.dtype.is_floating
-
-
-def _is_trainable(leaf: Any) -> bool:
-    if isinstance(leaf, tf.Variable):
-        return leaf.trainable and leaf.dtype.is_floating
-    return _is_float(leaf)
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -275,8 +163,6 @@ class PipeliningLayer(base_layer.BaseLayer):
             micro_batch.check_micro_batch_params(p.num_micro_batches, p.micro_batch_size)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from None
-        if p.remat != "never":
-            keep_recomputation_in_graphs()
         if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) \
                 or p.num_replicas < 1:
             raise ValueError(f"{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1.")
@@ -294,6 +180,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             self._mesh = placement.resolve_mesh(p.placement, p.num_replicas, num_cells)
         self._devices = self._mesh[0]
         self._active_replica: int | None = None  # Set while FPropAndReplicaGrads runs one.
+        self._executors: dict[int, executor.Executor] = {}
         self.CreateChildren(
             "layers", list(p.layers),
             scopes=[lambda k=self._partition.cell_of_layer(i): self._cell_scope(k)
@@ -444,15 +331,26 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     # -- execution -----------------------------------------------------------
 
-    def _cell_fprop(self, theta: NestedMap, k: int, x: Any) -> Any:
-        if self.params.serial_devices:
-            return serial_call(lambda x: self._chain_cell(theta, k, x), x)
-        return self._chain_cell(theta, k, x)
+    def _executor(self, replica: int) -> executor.Executor:
+        """The executor of `replica`'s cells; their functions are traced on first use."""
+        if replica not in self._executors:
+            cells = [CellFunctions(k, lambda theta, x, k=k: self._chain_cell(theta, k, x),
+                                   replica=replica if self.num_replicas > 1 else None,
+                                   traced=self._tpu_strategy is None,
+                                   serial=self.params.serial_devices)
+                     for k in range(self.num_cells)]
+            self._executors[replica] = executor.Executor(
+                cells, lambda k: self._cell_scope(k, replica), serial=self.params.serial_devices)
+        return self._executors[replica]
 
-    def _chain_cell(self, theta: NestedMap, k: int, x: Any) -> Any:
+    def _cell_thetas(self, theta: NestedMap) -> list[NestedMap]:
+        """Each cell's part of `theta`: NestedMap(layers=[theta of its layers])."""
+        return [NestedMap(layers=[theta.layers[i] for i in self.cell_layers(k)])
+                for k in range(self.num_cells)]
+
+    def _chain_cell(self, cell_theta: NestedMap, k: int, x: Any) -> Any:
         layers = [self.layers[i] for i in self.cell_layers(k)]
-        thetas = [theta.layers[i] for i in self.cell_layers(k)]
-        out = composite.chain_fprop(layers, thetas, x)
+        out = composite.chain_fprop(layers, cell_theta.layers, x)
         if isinstance(out, tuple):
             raise ValueError(
                 f"Cell {k} returns a tuple; a pipeline boundary carries one value. Return a "
@@ -471,47 +369,26 @@ class PipeliningLayer(base_layer.BaseLayer):
     def FProp(self, theta: NestedMap, inputs: Any) -> Any:  # noqa: N802
         """Forward only (eval and inference), pipelined over the same cells and devices."""
         xs, num_micro, micro_size = self._split(inputs)
-        sched = self.make_schedule(num_micro)
-        base_offset = fprop_context.current().example_offset
-        outputs: dict[int, Any] = {}
-        boundary = {(0, t): x for t, x in enumerate(xs)}
-        for action in sched.actions():
-            if action.phase is not schedule.Phase.FORWARD:
-                continue
-            k, t = action.cell, action.micro_batch
-            with self._cell_scope(k), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
-                    fprop_context.fprop_context(example_offset=base_offset + t * micro_size,
-                                                batch_dim=self.params.batch_dim):
-                y = self._cell_fprop(theta, k, boundary.pop((k, t)))
-            if k == self.num_cells - 1:
-                outputs[t] = y
-            else:
-                boundary[(k + 1, t)] = y
-        ordered = [outputs[t] for t in range(num_micro)]
+        with fprop_context.fprop_context(batch_dim=self.params.batch_dim):
+            ordered = self._executor(0).forward(self.make_schedule(num_micro),
+                                                self._cell_thetas(theta), xs, micro_size)
         return micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
 
     @classmethod
-    def _loss_weights(cls, outputs: list[Any]) -> list[Any] | None:
+    def _loss_weights(cls, outputs: list[Any], weights: list[Any] | None = None,
+                      total: Any = None) -> list[Any] | None:
         """Micro-batch weights from a scalar `loss_weight` or `num_examples` output.
 
         With padded examples or tokens, micro-batches weigh differently; the
         mini-batch loss is then the weighted mean of the micro-batch means.
         """
-        weights = [cls._micro_batch_weight(o) for o in outputs]
+        if weights is None:
+            weights = [cls._micro_batch_weight(o) for o in outputs]
         if len(outputs) == 1 or weights[0] is None:
             return None
-        total = tf.maximum(tf.add_n(weights), 1e-8)
+        if total is None:
+            total = cls._total_weight(outputs, weights)
         return [w / total for w in weights]
-
-    def _keeps_activations(self, sched: schedule.Schedule, k: int, t: int) -> bool:
-        """Whether F(k, t) keeps its activations for B(k, t) instead of recomputing."""
-        mode = self.params.remat
-        if mode != "except_last":
-            return mode == "never"
-        order = sched.cell_order(k)
-        i = order.index(schedule.Action(schedule.Phase.FORWARD, k, t))
-        return i + 1 < len(order) and order[i + 1] == schedule.Action(
-            schedule.Phase.BACKWARD, k, t)
 
     def FPropAndGrads(  # noqa: N802
         self, theta: NestedMap, inputs: Any, return_input_grads: bool = False
@@ -568,105 +445,27 @@ class PipeliningLayer(base_layer.BaseLayer):
         xs, num_micro, micro_size = split
         replica = self._active_replica or 0
         sched = self.make_schedule(num_micro)
-        base_offset = fprop_context.current().example_offset
-        num_cells = self.num_cells
-        flat_theta = theta.Flatten()
-        index_of = {leaf.ref(): i for i, leaf in enumerate(flat_theta) if leaf is not None}
-        grads: list[Any] = [None] * len(flat_theta)
-        cell_sources = []
-        for k in range(num_cells):
-            leaves = [leaf for i in self.cell_layers(k) for leaf in theta.layers[i].Flatten()]
-            cell_sources.append([leaf for leaf in leaves if _is_trainable(leaf)])
+        weight_of: dict[int, Any] = {}
 
-        boundary = {(0, t): x for t, x in enumerate(xs)}
-        outputs: dict[int, Any] = {}
-        taped: dict[tuple[int, int], tuple[tf.GradientTape, Any, Any]] = {}
-        out_grads: dict[tuple[int, int], Any] = {}
-        input_grads: dict[int, Any] = {}
-        last_ops: list[list[Any]] = [[] for _ in range(num_cells)]
+        def loss_gradient(y: Any) -> Any:
+            # d(mini-batch loss)/d(loss_t). With weighted micro-batches the raw weight is
+            # used here and the total divides the sums at the end, so no backward has to
+            # wait for every micro-batch's forward.
+            self._check_loss_output(y)
+            weight = weight_of.setdefault(id(y), self._micro_batch_weight(y))
+            upstream = y.Transform(lambda v: None)
+            upstream.loss = tf.cast(1.0 / num_micro if weight is None else weight, y.loss.dtype)
+            return upstream
 
-        for action in sched.actions():
-            k, t = action.cell, action.micro_batch
-            offset = base_offset + t * micro_size
-            if action.phase is schedule.Phase.FORWARD:
-                x = boundary[(k, t)]
-                with self._cell_scope(k, replica), tf.name_scope(f"cell_{k}/fprop_mb_{t}"), \
-                        tf.control_dependencies(last_ops[k]), \
-                        fprop_context.fprop_context(example_offset=offset,
-                                                    batch_dim=self.params.batch_dim):
-                    if self._keeps_activations(sched, k, t):
-                        tape = tf.GradientTape(watch_accessed_variables=False)
-                        with tape:
-                            tape.watch([v for v in _flat(x) if _is_float(v)] + cell_sources[k])
-                            y = self._cell_fprop(theta, k, x)
-                        taped[(k, t)] = (tape, x, y)
-                    else:
-                        y = self._cell_fprop(theta, k, x)
-                last_ops[k] = [v for v in _flat(y) if v is not None]
-                if k == num_cells - 1:
-                    outputs[t] = y
-                else:
-                    boundary[(k + 1, t)] = y
-                continue
-
-            # Backward of cell k on micro-batch t.
-            if k == num_cells - 1:
-                y_like = outputs[t]
-                self._check_loss_output(y_like)
-                upstream = y_like.Transform(lambda v: None)
-                # Seed: d(mini-batch loss)/d(loss_t). With weighted micro-batches the
-                # raw weight is used here and the total divides the sums at the end,
-                # so no backward has to wait for every micro-batch's forward.
-                weight = self._micro_batch_weight(y_like)
-                seed = 1.0 / num_micro if weight is None else weight
-                upstream.loss = tf.cast(seed, y_like.loss.dtype)
-            else:
-                upstream = out_grads.pop((k, t))
-            x = boundary.pop((k, t))
-            with self._cell_scope(k, replica), tf.name_scope(f"cell_{k}/bprop_mb_{t}"), \
-                    tf.control_dependencies(last_ops[k]):
-                if (k, t) in taped:
-                    tape, x, y = taped.pop((k, t))
-                else:
-                    tape, x, y = self._recompute(theta, k, x, upstream, cell_sources[k], offset)
-                y_leaves, g_leaves = [], []
-                for y_leaf, g_leaf in zip(_flat(y), _flat(upstream)):
-                    if _is_float(y_leaf):
-                        y_leaves.append(y_leaf)
-                        g = tf.zeros_like(y_leaf) if g_leaf is None else g_leaf
-                        # A serial backward call's arguments must be local (_to_call_device).
-                        g_leaves.append(tf.identity(g) if self.params.serial_devices else g)
-                x_sources = ([v for v in _flat(x) if _is_float(v)]
-                             if k > 0 or return_input_grads else [])
-                with serial_function_calls(self.params.serial_devices):
-                    all_grads = tape.gradient(
-                        y_leaves, x_sources + cell_sources[k], output_gradients=g_leaves,
-                        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                    )
-                dx, dw = all_grads[:len(x_sources)], all_grads[len(x_sources):]
-                for leaf, g in zip(cell_sources[k], dw):
-                    if isinstance(g, tf.IndexedSlices):  # Embedding lookups: sum densely.
-                        g = tf.convert_to_tensor(g)
-                    i = index_of[leaf.ref()]
-                    grads[i] = g if grads[i] is None else grads[i] + g
-            if k > 0:
-                # B(k-1, t) starts once B(k, t) has finished, weight gradients included:
-                # otherwise the executor may run the input-gradient chain ahead and keep
-                # cell k's activations alive while cell k-1 recomputes its own.
-                with self._cell_scope(k, replica), tf.control_dependencies(
-                        [g.values if isinstance(g, tf.IndexedSlices) else g for g in dw]):
-                    dx = [tf.identity(g) for g in dx]
-                dx_iter = iter(dx)
-                out_grads[(k - 1, t)] = _pack(
-                    x, [next(dx_iter) if _is_float(v) else None for v in _flat(x)])
-            elif return_input_grads:
-                dx_iter = iter(dx)
-                input_grads[t] = [next(dx_iter) if _is_float(v) else None for v in _flat(x)]
-            last_ops[k] = list(dx) + list(dw)
-
-        ordered = [outputs[t] for t in range(num_micro)]
-        weights = [self._micro_batch_weight(o) for o in ordered]
-        total = None if weights[0] is None else tf.maximum(tf.add_n(weights), 1e-8)
+        with fprop_context.fprop_context(batch_dim=self.params.batch_dim):
+            result = self._executor(replica).train(
+                sched, self._cell_thetas(theta), xs, micro_size,
+                keep=remat.remat_plan(sched, self.params.remat), loss_gradient=loss_gradient,
+                need_input_grads=return_input_grads)
+        ordered = result.outputs
+        grads = self._theta_grads(theta, result.grad_sums)
+        weights = [weight_of[id(o)] for o in ordered]
+        total = None if weights[0] is None else self._total_weight(ordered, weights)
         if total is not None:
             # Each gradient is divided on its cell's device: an op without a device would be
             # placed on the default one, and every cell's weight gradients would cross to it
@@ -676,18 +475,18 @@ class PipeliningLayer(base_layer.BaseLayer):
                 if g is not None:
                     with self._cell_scope(cell_of_leaf[i], replica):
                         grads[i] = g / tf.cast(total, g.dtype)
-        merged = micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
+        merged = micro_batch.merge(ordered, self.params.batch_dim,
+                                   self._loss_weights(ordered, weights, total))
         dinputs = None
         if return_input_grads:
-            dinputs = _pack(xs[0], self._merge_input_grads(
-                xs[0], [input_grads[t] for t in range(num_micro)], total))
+            dinputs = pack(xs[0], self._merge_input_grads(xs[0], result.input_grads, total))
         return merged, theta.Pack(grads), dinputs
 
     def _merge_input_grads(self, like: Any, per_micro: list[list[Any]],
                            total: Any) -> list[Any]:
         """Concatenates per-micro-batch input gradients; a shared scalar input's are summed."""
         merged = []
-        for i, leaf in enumerate(_flat(like)):
+        for i, leaf in enumerate(flatten(like)):
             parts = [g[i] for g in per_micro]
             if parts[0] is None:
                 merged.append(None)
@@ -846,48 +645,52 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     @staticmethod
     def _micro_batch_weight(output: Any) -> tf.Tensor | None:
-        """The last cell's `loss_weight` (else `num_examples`) output: a scalar >= 0, or None.
+        """The last cell's `loss_weight` (else `num_examples`) output as float32, or None.
 
         These two names are reserved (see the class docstring): a non-scalar one is a
-        ValueError, a negative one fails a run-time assertion.
+        ValueError; that they are >= 0 is checked at run time by `_total_weight`.
         """
+        key = PipeliningLayer._weight_key(output)
+        if key is None:
+            return None
+        w = output[key]
+        if w.shape.rank != 0:
+            raise ValueError(
+                f"The last cell's output '{key}' has shape {w.shape}, but '{key}' is "
+                "reserved for a scalar micro-batch weight (PipeliningLayer weighs each "
+                "micro-batch's scalars by it); return a scalar count or rename the output.")
+        return tf.cast(w, tf.float32)
+
+    @staticmethod
+    def _weight_key(output: Any) -> str | None:
         if not isinstance(output, NestedMap):
             return None
-        for key in micro_batch.WEIGHT_KEYS:
-            if key not in output or output[key] is None:
-                continue
-            w = output[key]
-            if w.shape.rank != 0:
-                raise ValueError(
-                    f"The last cell's output '{key}' has shape {w.shape}, but '{key}' is "
-                    "reserved for a scalar micro-batch weight (PipeliningLayer weighs each "
-                    "micro-batch's scalars by it); return a scalar count or rename the output.")
-            w = tf.cast(w, tf.float32)
-            check = tf.debugging.assert_non_negative(
-                w, message=f"The last cell's micro-batch weight '{key}' must be >= 0")
-            with tf.control_dependencies([check] if check is not None else []):
-                return tf.identity(w)
-        return None
+        return next((key for key in micro_batch.WEIGHT_KEYS
+                     if key in output and output[key] is not None), None)
 
-    def _recompute(self, theta: NestedMap, k: int, x: Any, upstream: Any,
-                   sources: list[Any], offset: int) -> tuple[tf.GradientTape, Any, Any]:
-        """Re-runs cell k's forward under a tape, once the upstream gradient exists.
+    @staticmethod
+    def _total_weight(outputs: list[Any], weights: list[tf.Tensor]) -> tf.Tensor:
+        """sum(weights) (at least 1e-8), once a run-time check found every weight >= 0.
 
-        The control dependency on the upstream gradient keeps the recomputation
-        in the backward pass (and distinct from the forward for graph
-        optimisers); `updates=None` keeps batch-norm statistics from being
-        reported twice.
+        One check for all micro-batches: everything the weights feed (the merged scalars,
+        the gradients' division) depends on the total, so a negative weight fails the step.
         """
-        wait_for = [g for g in _flat(upstream) if g is not None]
-        tape = tf.GradientTape(watch_accessed_variables=False)
-        with tf.control_dependencies(wait_for), tf.name_scope("recompute"), \
-                fprop_context.fprop_context(example_offset=offset, updates=None,
-                                            batch_dim=self.params.batch_dim):
-            x = _pack(x, [tf.identity(v) if v is not None else None for v in _flat(x)])
-            with tape:
-                tape.watch([v for v in _flat(x) if _is_float(v)] + sources)
-                y = self._cell_fprop(theta, k, x)
-        return tape, x, y
+        stacked = tf.stack(weights)
+        check = tf.debugging.assert_non_negative(
+            stacked, message=f"The last cell's micro-batch weight "
+                             f"'{PipeliningLayer._weight_key(outputs[0])}' must be >= 0")
+        with tf.control_dependencies([check] if check is not None else []):
+            return tf.maximum(tf.reduce_sum(stacked), 1e-8)
+
+    def _theta_grads(self, theta: NestedMap, grad_sums: list[list[Any]]) -> list[Any]:
+        """The cells' summed gradients as a list in `theta.Flatten()` order (None: not trained)."""
+        grads: list[Any] = []
+        for k in range(self.num_cells):
+            sums = iter(grad_sums[k])
+            for i in self.cell_layers(k):
+                grads.extend(next(sums) if is_trainable(leaf) else None
+                             for leaf in theta.layers[i].Flatten())
+        return grads
 
     @staticmethod
     def _check_loss_output(y: Any) -> None:

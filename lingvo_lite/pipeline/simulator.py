@@ -27,35 +27,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from lingvo_lite.pipeline import partition as partition_lib
+from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.pipeline import timeline
 from lingvo_lite.pipeline.schedule import Action, Phase
-
-REMAT_POLICIES = ("always", "except_last", "never")
-
-
-def recomputed_actions(sched: schedule_lib.Schedule, remat: str) -> set[Action]:
-    """The backward actions that first re-run their forward under re-materialisation `remat`.
-
-    'always': every backward; 'never': none; 'except_last': every backward but those that
-    directly follow their own forward on the cell (in GPipe's order, the last micro-batch of
-    every cell), whose activations are still there.
-    """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat={remat!r}; use one of {REMAT_POLICIES}.")
-    out = set()
-    if remat == "never":
-        return out
-    for k in range(sched.num_cells):
-        order = sched.cell_order(k)
-        for i, action in enumerate(order):
-            if action.phase is not Phase.BACKWARD:
-                continue
-            follows_own_forward = i > 0 and order[i - 1] == Action(
-                Phase.FORWARD, k, action.micro_batch)
-            if remat == "always" or not follows_own_forward:
-                out.add(action)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +143,7 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
       setup_time, update_time: time before the first and after the last action (input
         feeding, the optimizer's update), added to the step.
     """
-    recomputed = frozenset(recomputed_actions(sched, remat))
+    recomputed = frozenset(remat_lib.recomputed_actions(sched, remat))
     if isinstance(costs, PhaseCosts):
         if costs.num_cells != sched.num_cells:
             raise ValueError(f"PhaseCosts has {costs.num_cells} cells, the schedule "

@@ -1,12 +1,14 @@
 """What a pipelined step really did: profiler trace -> per-action boxes -> time breakdown.
 
-The executor (`pipelining_layer.py`) names every op it emits after the action that emitted it:
-`cell_{k}/fprop_mb_{t}/...` for the forward F(k, t), `cell_{k}/bprop_mb_{t}/...` for the backward
-B(k, t), with the re-computed forward under `cell_{k}/bprop_mb_{t}/recompute/...`; gradient ops
-that `tf.GradientTape` creates carry the forward op's name behind a `gradient_tape/` prefix. Those
-name scopes map each op of a TensorFlow profiler trace (XSpace protobuf, the `*.xplane.pb` files
-`tf.profiler.experimental.start/stop` writes) to (cell, phase, micro-batch) without any guessing.
-Cell k runs on device k, so rows of the chart are devices.
+The executor names every op it emits after the cell and action that emitted it (`op_names`
+owns the scheme): call sites carry the micro-batch (`cell_{k}/fprop_mb_{t}/...`), while ops
+inside a cell's functions, traced once and called once per micro-batch, carry only the cell and
+the function (`cell_{k}/fprop/...`, `cell_{k}/bprop/recompute/...`). A cell runs its actions one
+after the other in its schedule order, so the j-th run of a function-body op on cell k is the
+j-th call of that function in the schedule (`op_names.function_runs`): ops of a profiler trace
+(XSpace protobuf, the `*.xplane.pb` files `tf.profiler.experimental.start/stop` writes) map to
+(cell, phase, micro-batch) without guessing, given the schedule and the remat mode. Cell k runs on
+device k, so rows of the chart are devices.
 
 From the op intervals this module derives:
 - `Box`es: one per (cell, phase, micro-batch), spanning that action's first op start to its last
@@ -26,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import re
 from collections.abc import Iterable, Sequence
 
-FORWARD, RECOMPUTE, BACKWARD = "F", "R", "B"
+from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
+
+FORWARD, RECOMPUTE, BACKWARD = op_names.FORWARD, op_names.RECOMPUTE, op_names.BACKWARD
 PHASES = (FORWARD, RECOMPUTE, BACKWARD)
 STEP_TRACE_NAME = "profiled_step"
 _TRANSFER_OPS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
@@ -37,9 +40,6 @@ _TRANSFER_OPS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # step (it waits for nothing), which would hide the setup phase and stretch boxes.
 BOOKKEEPING_OPS = frozenset(("ReadVariableOp", "Const", "NoOp", "Identity", "IdentityN",
                              "VarHandleOp", "_Arg", "_Retval"))
-_CELL_OP = re.compile(
-    r"^(?P<grad>gradient_tape/)?(?:.*/)?cell_(?P<cell>\d+)/(?P<kind>fprop|bprop)_mb_(?P<t>\d+)/"
-    r"(?P<rest>.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +111,6 @@ class Breakdown:
 # Reading traces.
 
 
-def _xplane_pb2():
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError:  # Older layouts.
-        from tensorflow.core.profiler.protobuf import xplane_pb2  # type: ignore
-    return xplane_pb2
-
-
 def find_xplane_files(logdir: str) -> list[str]:
     """The `*.xplane.pb` files of the newest profiler session under `logdir`."""
     sessions = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*")))
@@ -132,7 +124,7 @@ def find_xplane_files(logdir: str) -> list[str]:
 
 def load_xspaces(logdir: str) -> list:
     """Parsed XSpace protos of the newest profiler session under `logdir`."""
-    xplane_pb2 = _xplane_pb2()
+    xplane_pb2 = tf_private.xplane_pb2()
     spaces = []
     for path in find_xplane_files(logdir):
         space = xplane_pb2.XSpace()
@@ -192,25 +184,63 @@ def events_in(events: Sequence[OpEvent], start_ns: int, end_ns: int) -> list[OpE
 # Ops -> actions.
 
 
-def classify_op(name: str) -> tuple[int, str, int] | None:
+def classify_op(name: str) -> tuple[int, str, int | None] | None:
     """(cell, phase, micro_batch) of an op emitted by the executor, None for any other op.
 
-    Phase: F for ops under `fprop_mb_t` (forward), R for the re-computed forward (under
-    `bprop_mb_t/recompute` and not a gradient), B for everything else of the backward,
-    including the gradients of a forward that kept its activations.
+    Phase: F for the forward, R for the re-computed forward of a re-materialised backward, B
+    for everything else of the backward (gradients, weight-gradient sums). The micro-batch is
+    None for ops inside a cell's functions (see `classify_events`).
     """
-    m = _CELL_OP.match(name)
-    if m is None:
+    parsed = op_names.parse(name)
+    if parsed is None:
         return None
-    cell, t = int(m.group("cell")), int(m.group("t"))
-    if m.group("grad"):
-        return cell, BACKWARD, t
-    if m.group("kind") == "fprop":
-        return cell, FORWARD, t
-    rest = m.group("rest")
-    if rest.startswith("recompute/") or "/recompute/" in rest:
-        return cell, RECOMPUTE, t
-    return cell, BACKWARD, t
+    return parsed.cell, parsed.phase, parsed.micro_batch
+
+
+def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
+                    remat_mode: str = "except_last") -> list[tuple[OpEvent, int, str, int]]:
+    """(event, cell, phase, micro_batch) for the pipeline ops of one step, in time order.
+
+    Ops inside a cell's functions get their micro-batch from the order their function ran in:
+    the j-th run of an op is the j-th call of its function in the schedule `schedule_name` with
+    re-materialisation `remat_mode` (K and T are read off the trace). Bookkeeping ops are
+    left out.
+    """
+    parsed = []
+    for e in sorted(events, key=lambda e: (e.start_ns, e.end_ns)):
+        if e.op_type in BOOKKEEPING_OPS:
+            continue
+        p = op_names.parse(e.name)
+        if p is not None:
+            parsed.append((e, p))
+    runs = None
+    if any(p.micro_batch is None for _, p in parsed):
+        runs = _function_runs_of(parsed, schedule_name, remat_mode)
+    seen: dict[str, int] = {}
+    out = []
+    for e, p in parsed:
+        t = p.micro_batch
+        if t is None:
+            j = seen.get(e.name, 0)
+            seen[e.name] = j + 1
+            calls = runs.get((p.cell, p.family), [])
+            if j >= len(calls):
+                continue  # More runs than one step has: the window holds part of another.
+            t = calls[j]
+        out.append((e, p.cell, p.phase, t))
+    return out
+
+
+def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedule_name: str,
+                      remat_mode: str) -> dict[tuple[int, str], list[int]]:
+    num_cells = 1 + max(p.cell for _, p in parsed)
+    forward_runs: dict[str, int] = {}
+    for e, p in parsed:
+        if p.family == op_names.FPROP and p.micro_batch is None:
+            forward_runs[e.name] = forward_runs.get(e.name, 0) + 1
+    num_micro_batches = max(forward_runs.values(), default=1)
+    sched = schedule.make_schedule(schedule_name, num_cells, num_micro_batches)
+    return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode))
 
 
 def merge_intervals(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -229,19 +259,17 @@ def union_ns(intervals: Iterable[tuple[int, int]]) -> int:
     return sum(b - a for a, b in merge_intervals(intervals))
 
 
-def boxes_from_events(events: Sequence[OpEvent]) -> list[Box]:
+def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
+                      remat_mode: str = "except_last") -> list[Box]:
     """One Box per (cell, phase, micro-batch) that has ops, sorted by cell then start.
 
     Bookkeeping ops (variable reads, constants, identities) are left out: they take no time
-    and may run long before the action they belong to.
+    and may run long before the action they belong to. `schedule_name` and `remat_mode` are
+    the profiled pipeline's (see `classify_events`).
     """
     groups: dict[tuple[int, str, int], list[OpEvent]] = {}
-    for e in events:
-        if e.op_type in BOOKKEEPING_OPS:
-            continue
-        key = classify_op(e.name)
-        if key is not None:
-            groups.setdefault(key, []).append(e)
+    for e, cell, phase, t in classify_events(events, schedule_name, remat_mode):
+        groups.setdefault((cell, phase, t), []).append(e)
     boxes = []
     for (cell, phase, t), evs in groups.items():
         runs = merge_intervals((e.start_ns, e.end_ns) for e in evs)
@@ -294,7 +322,7 @@ def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None) -
         if key[1] == RECOMPUTE:
             recompute.setdefault(key[0], []).append((e.start_ns, e.end_ns))
     if not per_cell:
-        raise ValueError("No op of the step is named cell_k/fprop_mb_t or cell_k/bprop_mb_t: "
+        raise ValueError("No op of the step is named after a pipeline cell (op_names): "
                          "was a PipeliningLayer's FPropAndGrads profiled?")
     if num_cells is None:
         num_cells = max(per_cell) + 1

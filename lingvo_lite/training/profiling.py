@@ -123,7 +123,7 @@ class StepProfiler:
             return self.result
         tf.profiler.experimental.stop()
         self._active = False
-        self.result = analyse(self.trace_dir)
+        self.result = analyse(self.trace_dir, self.description)
         if self.result is None:
             return None
         report = build_report(self.result, self.description)
@@ -143,13 +143,17 @@ class StepProfiler:
         return self.result
 
 
-def analyse(trace_dir: str) -> dict | None:
+def analyse(trace_dir: str, description: PipelineDescription | None = None) -> dict | None:
     """Per-step breakdowns and the last step's boxes of the newest session in `trace_dir`.
+
+    `description` names the profiled pipeline's schedule and remat mode, which map the ops
+    of its traced-once cell functions to micro-batches.
 
     Returns None when the trace holds no pipeline op (a model without PipeliningLayer).
     """
     from lingvo_lite.pipeline import timeline
 
+    description = description or PipelineDescription()
     spaces = timeline.load_xspaces(trace_dir)
     events = timeline.op_events(spaces)
     windows = timeline.step_windows(spaces) or [(0, -1, 2**62)]
@@ -158,7 +162,8 @@ def analyse(trace_dir: str) -> dict | None:
     last_breakdown = None
     for step, start, end in windows:
         step_events = timeline.events_in(events, start, end)
-        boxes = timeline.boxes_from_events(step_events)
+        boxes = timeline.boxes_from_events(step_events, description.schedule,
+                                           description.remat)
         if not boxes:
             continue
         last_breakdown = timeline.compute_breakdown(step_events)

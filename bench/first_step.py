@@ -1,0 +1,137 @@
+"""Start-up vs micro-batches: the first training step's time and graph size as T grows.
+
+    python bench/first_step.py                       # this checkout, the issue 14 table
+    python bench/first_step.py --baseline=/path/to/an/older/checkout
+
+Model: a stack of L dense layers (width 64, tanh) and a softmax loss, N=64 examples, K cells on
+K logical CPU devices (serial_devices=True: the accelerator emulation), remat 'always'. For each
+(L, K, T) a fresh process builds the pipeline and times the first call of the traced training
+step (trace + graph optimisation + one run), then the median of later steps, and counts the
+ops of the step's graph including every function body. With --baseline, each configuration
+also runs against the other checkout's `lingvo_lite`, alternating, so the two columns are
+measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIGS = [(32, 4, 1), (32, 4, 8), (32, 4, 32), (128, 8, 1), (128, 8, 8), (128, 8, 32)]
+WIDTH, BATCH = 64, 64
+
+
+def worker(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, args.code_root)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from lingvo_lite import devices
+
+    devices.configure_logical_cpus(args.cells, 1, args.cells)
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite import fprop_context
+    from lingvo_lite.layers import dense, losses, structural
+    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.pipeline import pipelining_layer
+
+    layers = [structural.FieldLayer.Params().Set(
+        name=f"p{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
+            name="proj", input_dim=WIDTH, output_dim=WIDTH, activation="TANH"))
+        for i in range(args.layers)]
+    layers.append(structural.FieldsLayer.Params().Set(
+        name="loss", fields=["x", "labels"], sub=losses.SoftmaxCrossEntropyLayer.Params().Set(
+            name="xent", input_dim=WIDTH, num_classes=10)))
+    pipe = pipelining_layer.PipeliningLayer.Params().Set(
+        name="pipe", layers=layers, num_cells=args.cells, num_micro_batches=args.micro_batches,
+        remat="always", partition_method="uniform", serial_devices=True,
+        random_seed=1).Instantiate()
+    rng = np.random.default_rng(0)
+    batch = NestedMap(x=tf.constant(rng.normal(size=(BATCH, WIDTH)), tf.float32),
+                      labels=tf.constant(rng.integers(0, 10, size=BATCH), tf.int32))
+
+    @tf.function(autograph=False)
+    def step(batch):
+        with fprop_context.fprop_context(training=True, step_seed=1):
+            out, grads = pipe.FPropAndGrads(pipe.theta, batch)
+        return out.loss, grads.Flatten()
+
+    start = time.perf_counter()
+    float(step(batch)[0])
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        float(step(batch)[0])
+        times.append(time.perf_counter() - start)
+    graph_def = step.get_concrete_function(batch).graph.as_graph_def()
+    ops = len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+    return {"first_s": first, "step_s": statistics.median(times), "ops": ops}
+
+
+def run(code_root: str, layers: int, cells: int, micro_batches: int, steps: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--code_root={code_root}",
+           f"--layers={layers}", f"--cells={cells}", f"--micro_batches={micro_batches}",
+           f"--steps={steps}"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=code_root)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--code_root", default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--cells", type=int, default=4)
+    parser.add_argument("--micro_batches", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="Steps timed after the first.")
+    parser.add_argument("--baseline", default=None,
+                        help="Another checkout's root, measured side by side.")
+    parser.add_argument("--configs", default=",".join(f"{a}x{b}x{c}" for a, b, c in CONFIGS),
+                        help="L x K x T triples, comma-separated.")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    roots = {"this": ROOT}
+    if args.baseline:
+        roots["baseline"] = os.path.abspath(args.baseline)
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    rows = []
+    for layers, cells, micro in configs:
+        results = {name: run(root, layers, cells, micro, args.steps)
+                   for name, root in roots.items()}
+        rows.append(((layers, cells, micro), results))
+        print(json.dumps({"L": layers, "K": cells, "T": micro, **results}), flush=True)
+    print()
+    header = "| L | K | T | first step | step | graph ops |"
+    if args.baseline:
+        header = ("| L | K | T | first step (baseline) | first step | step (baseline) | step "
+                  "| step ratio | graph ops (baseline) | graph ops |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for (layers, cells, micro), r in rows:
+        this = r["this"]
+        if args.baseline:
+            base = r["baseline"]
+            print(f"| {layers} | {cells} | {micro} | {base['first_s']:.1f} s | "
+                  f"{this['first_s']:.1f} s | {base['step_s'] * 1e3:.1f} ms | "
+                  f"{this['step_s'] * 1e3:.1f} ms | {this['step_s'] / base['step_s']:.2f} | "
+                  f"{base['ops']:,} | {this['ops']:,} |")
+        else:
+            print(f"| {layers} | {cells} | {micro} | {this['first_s']:.1f} s | "
+                  f"{this['step_s'] * 1e3:.1f} ms | {this['ops']:,} |")
+
+
+if __name__ == "__main__":
+    main()

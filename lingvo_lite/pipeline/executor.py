@@ -1,0 +1,285 @@
+"""Runs a schedule: each action of a `Schedule` becomes calls of its cell's functions.
+
+`PipeliningLayer` decides what to run (partition, devices, micro-batches, schedule, remat plan);
+the `Executor` walks the schedule's actions in a dependency-respecting order and emits, for each:
+
+- F(k, t): cell k's forward function on the boundary value of micro-batch t, on device k. If
+  `keep` holds (k, t) it runs under a tape, so its activations stay for the backward;
+- B(k, t): for a kept micro-batch, the gradient of that tape, then one call that adds the weight
+  gradients to the cell's running sums; otherwise one call of cell k's backward function, which
+  re-runs the forward (it waits for the upstream gradient: a call starts once all its inputs
+  exist), differentiates it and adds the weight gradients to the sums.
+
+Every action of cell k waits (control dependencies) for the previous action of cell k in the
+schedule's per-cell order, so the schedule object is what actually runs, and different cells
+overlap. All state of a step is explicit in `StepState`. Names follow `op_names`.
+
+Example (two cells on the default device, two micro-batches):
+    >>> import tensorflow as tf
+    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.pipeline import cell_functions, schedule
+    >>> fns = [cell_functions.CellFunctions(k, lambda th, x: x * th.w) for k in range(2)]
+    >>> run = Executor(fns, lambda k: tf.name_scope(""))
+    >>> thetas = [NestedMap(w=tf.constant(2.0)), NestedMap(w=tf.constant(5.0))]
+    >>> outs = run.forward(schedule.make_schedule("gpipe", 2, 2), thetas,
+    ...                    [tf.constant([1.0]), tf.constant([3.0])], micro_batch_size=1)
+    >>> [float(y[0]) for y in outs]
+    [10.0, 30.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager
+
+import tensorflow as tf
+
+from lingvo_lite import fprop_context
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import op_names, tf_private
+from lingvo_lite.pipeline.cell_functions import (
+    CallInput,
+    CellFunctions,
+    flatten,
+    float_outputs_and_gradients,
+    is_float,
+    is_trainable,
+    pack,
+)
+from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
+
+Key = tuple[int, int]  # (cell, micro_batch)
+
+
+@dataclasses.dataclass
+class StepState:
+    """Everything a training step carries between actions."""
+
+    boundary: dict[Key, Any]  # Input of F(k, t); prepared (CallInput) for B(k, t) once F ran.
+    offsets: dict[Key, tf.Tensor]  # Example offset of micro-batch t at cell k (int64).
+    outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # Last cell's, by t.
+    tapes: dict[Key, tuple[tf.GradientTape, Any]] = dataclasses.field(default_factory=dict)
+    upstream: dict[Key, Any] = dataclasses.field(default_factory=dict)  # Gradient for B(k, t).
+    grad_sums: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell.
+    input_grads: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    last_ops: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell.
+    zeros: dict[tuple[Any, ...], tf.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """outputs[t]: the last cell's output; grad_sums[k]: cell k's summed weight gradients (one
+    per trainable leaf of its theta); input_grads[t]: per leaf of the input (if asked)."""
+
+    outputs: list[Any]
+    grad_sums: list[list[Any]]
+    input_grads: list[list[Any]] | None
+
+
+class Executor:
+    """Emits a schedule's actions over K cells.
+
+    Args:
+      cells: cell k's functions, for k = 0..K-1.
+      cell_scope: `cell_scope(k)` places cell k's ops (a device scope).
+      serial: build tape gradients of kept actions on the single-threaded executor too.
+    """
+
+    def __init__(self, cells: Sequence[CellFunctions],
+                 cell_scope: Callable[[int], ContextManager[Any]], serial: bool = False) -> None:
+        self._cells = list(cells)
+        self._cell_scope = cell_scope
+        self._serial = serial
+
+    @property
+    def num_cells(self) -> int:
+        return len(self._cells)
+
+    def _action_scope(self, phase: str, k: int, t: int) -> Any:
+        return tf.name_scope(op_names.action_scope(phase, k, t))
+
+    def _first_offsets(self, num_micro_batches: int,
+                       micro_batch_size: int) -> dict[Key, tf.Tensor]:
+        """Where each micro-batch starts in the mini-batch (dropout masks are keyed by it).
+
+        Only cell 0 gets these; each forward call hands its offset on to the next cell.
+        """
+        base = fprop_context.current().example_offset
+        out = {}
+        with self._cell_scope(0), tf.name_scope("cell_0/example_offsets"):
+            for t in range(num_micro_batches):
+                offset = base + t * micro_batch_size
+                out[(0, t)] = (tf.constant(offset, tf.int64) if isinstance(offset, int)
+                               else tf.cast(offset, tf.int64))
+        return out
+
+    def _step_seeds(self) -> list[CallInput]:
+        """The step seed that dropout draws from, as an argument on each cell's device."""
+        seed = tf.convert_to_tensor(fprop_context.current().step_seed)
+        out = []
+        for k, cell in enumerate(self._cells):
+            with self._cell_scope(k), tf.name_scope(f"cell_{k}/step_seed"):
+                out.append(cell.prepare(seed))
+        return out
+
+    def forward(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
+                micro_batch_size: int) -> list[Any]:
+        """The last cell's output for each micro-batch (forward only: eval and inference)."""
+        seeds = self._step_seeds()
+        offsets = self._first_offsets(len(xs), micro_batch_size)
+        boundary = {(0, t): x for t, x in enumerate(xs)}
+        outputs: dict[int, Any] = {}
+        for action in sched.actions():
+            if action.phase is not Phase.FORWARD:
+                continue
+            k, t = action.cell, action.micro_batch
+            with self._cell_scope(k), self._action_scope(op_names.FORWARD, k, t):
+                x = self._cells[k].prepare(boundary.pop((k, t)))
+                y, offsets[(k + 1, t)], reports = self._cells[k].forward(
+                    thetas[k], x, offsets.pop((k, t)), seeds[k])
+            _report(reports)
+            if k == self.num_cells - 1:
+                outputs[t] = y
+            else:
+                boundary[(k + 1, t)] = y
+        return [outputs[t] for t in range(len(xs))]
+
+    def train(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
+              micro_batch_size: int, keep: frozenset[Key], loss_gradient: Callable[[Any], Any],
+              need_input_grads: bool = False) -> TrainResult:
+        """Forward and backward of every micro-batch, weight gradients summed per cell.
+
+        Args:
+          sched: the schedule (its per-cell orders are the order things run in).
+          thetas: each cell's theta (a NestedMap), on its device.
+          xs: the micro-batches.
+          micro_batch_size: examples per micro-batch (dropout masks are keyed by position).
+          keep: the (cell, micro-batch) whose forward keeps its activations
+            (`remat.remat_plan`); the others are re-computed in their backward.
+          loss_gradient: `loss_gradient(y)` -> the gradient to start the last cell's
+            backward from, shaped like its output y (None leaves for no gradient).
+          need_input_grads: also compute d(loss)/d(micro-batch) for every float input leaf.
+        """
+        seed = self._step_seeds()
+        state = StepState(boundary={(0, t): x for t, x in enumerate(xs)},
+                          offsets=self._first_offsets(len(xs), micro_batch_size),
+                          last_ops=[[] for _ in range(self.num_cells)])
+        sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
+        for k in range(self.num_cells):
+            with self._cell_scope(k), tf.name_scope(f"cell_{k}/zero_grad_sums"):
+                state.grad_sums.append([tf.zeros_like(v) for v in sources[k]])
+        for action in sched.actions():
+            if action.phase is Phase.FORWARD:
+                self._train_forward(action, state, thetas, sources, keep, seed)
+            else:
+                self._train_backward(action, state, thetas, sources, seed, loss_gradient,
+                                     need_input_grads)
+        num_micro = len(xs)
+        return TrainResult(
+            outputs=[state.outputs[t] for t in range(num_micro)],
+            grad_sums=state.grad_sums,
+            input_grads=([state.input_grads[t] for t in range(num_micro)]
+                         if need_input_grads else None))
+
+    def _train_forward(self, action: Action, state: StepState, thetas: Sequence[NestedMap],
+                       sources: list[list[Any]], keep: frozenset[Key],
+                       seed: list[CallInput]) -> None:
+        k, t = action.cell, action.micro_batch
+        offset = state.offsets[(k, t)]  # Kept for the backward.
+        with self._cell_scope(k), self._action_scope(op_names.FORWARD, k, t), \
+                tf.control_dependencies(state.last_ops[k]):
+            # The local copy serves the backward too (re-computation or tape).
+            x = state.boundary[(k, t)] = self._cells[k].prepare(state.boundary[(k, t)])
+            if (k, t) in keep:
+                tape = tf.GradientTape(watch_accessed_variables=False)
+                with tape:
+                    tape.watch([v for v in x.leaves if is_float(v)] + sources[k])
+                    y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset,
+                                                                     seed[k])
+                state.tapes[(k, t)] = (tape, y)
+            else:
+                y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset, seed[k])
+        _report(reports)
+        state.last_ops[k] = [v for v in flatten(y) if v is not None]
+        if k == self.num_cells - 1:
+            state.outputs[t] = y
+        else:
+            state.boundary[(k + 1, t)] = y
+            state.offsets[(k + 1, t)] = next_offset
+
+    def _train_backward(self, action: Action, state: StepState, thetas: Sequence[NestedMap],
+                        sources: list[list[Any]], seed: list[CallInput],
+                        loss_gradient: Callable[[Any], Any], need_input_grads: bool) -> None:
+        k, t = action.cell, action.micro_batch
+        offset = state.offsets.pop((k, t))
+        if k == self.num_cells - 1:
+            upstream = loss_gradient(state.outputs[t])
+        else:
+            upstream = state.upstream.pop((k, t))
+        x = state.boundary.pop((k, t))
+        need_dx = k > 0 or need_input_grads
+        with self._cell_scope(k), self._action_scope(op_names.BACKWARD, k, t), \
+                tf.control_dependencies(state.last_ops[k]):
+            if (k, t) in state.tapes:
+                tape, y = state.tapes.pop((k, t))
+                ys, dys = float_outputs_and_gradients(
+                    y, flatten(upstream), lambda i, leaf: self._zeros(state, k, i, leaf))
+                x_sources = [v for v in x.leaves if is_float(v)] if need_dx else []
+                with tf_private.serial_function_calls(self._serial):
+                    grads = tape.gradient(ys, x_sources + sources[k], output_gradients=dys,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                dx_iter = iter(grads[:len(x_sources)])
+                dx = [next(dx_iter) if is_float(v) else None for v in x.leaves] \
+                    if need_dx else []
+                sums = self._cells[k].accumulate(state.grad_sums[k], grads[len(x_sources):])
+                dx = _after(dx, sums)
+            else:
+                # The upstream gradient is an input of the call, so the re-computation starts
+                # only once it exists: it stays in the backward pass.
+                dx, sums = self._cells[k].backward(thetas[k], x, upstream, state.grad_sums[k],
+                                                   offset, seed[k], need_dx)
+                if not self._cells[k].traced:
+                    dx = _after(dx, sums)
+            state.grad_sums[k] = sums
+        state.last_ops[k] = [g for g in dx if g is not None] + list(sums)
+        if k > 0:
+            state.upstream[(k - 1, t)] = pack(x.like, dx)
+        elif need_input_grads:
+            state.input_grads[t] = dx
+
+
+    def _zeros(self, state: StepState, k: int, i: int, like: tf.Tensor) -> tf.Tensor:
+        """Zeros like output leaf i of cell k, made once per step and shared by micro-batches
+        (TensorFlow's gradient of a function call needs a gradient for every output)."""
+        key = (k, i, like.dtype, tuple(like.shape.as_list()) if like.shape.is_fully_defined()
+               else None)
+        if key[-1] is None:
+            return tf.zeros_like(like)
+        if key not in state.zeros:
+            with tf.control_dependencies(None), self._cell_scope(k):
+                state.zeros[key] = tf.zeros(like.shape, like.dtype, name=f"cell_{k}_zeros")
+        return state.zeros[key]
+
+
+def _after(dx: list[Any], sums: list[Any]) -> list[Any]:
+    """dx, available only once the weight-gradient sums are.
+
+    B(k-1, t) must start once B(k, t) has finished, weight gradients included: otherwise the
+    input-gradient chain could run ahead and keep cell k's activations alive while cell k-1
+    re-computes its own. (One backward call returns both together, so it needs no such wait.)
+    """
+    with tf.control_dependencies(sums):
+        return [None if g is None else tf.identity(g) for g in dx]
+
+
+def _report(reports: list[tuple[Any, Any]]) -> None:
+    """Hands statistics that layers reported inside a cell function to the caller's collector."""
+    collector = fprop_context.current().updates
+    if collector is None:
+        return
+    for layer, stats in reports:
+        collector.add(layer, stats)
+
+
+__all__ = ["Executor", "StepState", "TrainResult"]

@@ -1,0 +1,114 @@
+"""The names of the ops a pipeline emits: one format, one parser.
+
+The executor emits every action as calls of its cell's functions, each traced once and called
+once per micro-batch. Two kinds of names come out of that:
+
+- call sites in the step's graph carry the action: `cell_{k}/fprop_mb_{t}/...` for the forward
+  F(k, t), `cell_{k}/bprop_mb_{t}/...` for the backward B(k, t);
+- ops inside a cell's functions carry the function but not the micro-batch (the body is shared
+  by all T calls): `cell_{k}/fprop/...` (the forward), `cell_{k}/bprop/recompute/...` and
+  `cell_{k}/bprop/...` (the re-computed forward and the backward of a re-materialised action),
+  `cell_{k}/accumulate/...` (the weight-gradient sums). TensorFlow names the gradient of a
+  function it differentiates `gradients/<forward op>_grad/...` and tape gradients traced inside a
+  function `gradient_tape/<forward op>/...`.
+
+With data-parallel replicas every name above is preceded by `replica_{r}/`. `parse` maps any of
+these to a `ParsedName`; a function-body op's micro-batch comes from the order in which its
+function ran (`timeline.assign_micro_batches`).
+
+Example:
+    >>> parse("gradients/cell_1/fprop/dense/MatMul_grad/MatMul")
+    ParsedName(cell=1, phase='B', micro_batch=None, family='fprop_gradient', replica=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from lingvo_lite.pipeline.schedule import Phase, Schedule
+
+FORWARD, RECOMPUTE, BACKWARD = "F", "R", "B"
+RECOMPUTE_SCOPE = "recompute"
+# Function families: which calls a function-body op belongs to.
+FPROP, BPROP, ACCUMULATE = "fprop", "bprop", "accumulate"
+FPROP_GRADIENT = "fprop_gradient"  # TensorFlow's gradient of the forward function.
+FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT)
+
+_NAME = re.compile(
+    r"^(?P<grad>gradient_tape/|gradients/)?(?:.*?/)?"
+    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate)(?:_mb_(?P<t>\d+))?/(?P<rest>.*)$")
+_REPLICA = re.compile(r"(?:^|/)replica_(?P<replica>\d+)/cell_\d+/")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedName:
+    """What an op name says: cell, phase (F, R or B), micro-batch (None inside a function)."""
+
+    cell: int
+    phase: str
+    micro_batch: int | None
+    family: str  # One of FAMILIES: the function (or call site kind) the op belongs to.
+    replica: int = 0
+
+
+def _replica_prefix(replica: int | None) -> str:
+    return "" if replica is None else f"replica_{replica}/"
+
+
+def action_scope(phase: str, cell: int, micro_batch: int) -> str:
+    """The name scope of the call site of action `phase`(cell, micro_batch), phase F or B."""
+    kind = FPROP if phase == FORWARD else BPROP
+    return f"cell_{cell}/{kind}_mb_{micro_batch}"
+
+
+def function_scope(family: str, cell: int, replica: int | None = None) -> str:
+    """The name scope opened inside cell `cell`'s function of `family` (fprop, bprop, ...)."""
+    if family not in (FPROP, BPROP, ACCUMULATE):
+        raise ValueError(f"family={family!r}: functions are one of {FPROP, BPROP, ACCUMULATE}")
+    return f"{_replica_prefix(replica)}cell_{cell}/{family}"
+
+
+def parse(name: str) -> ParsedName | None:
+    """The cell, phase, micro-batch and family of a pipeline op's name; None for other ops."""
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    cell = int(m.group("cell"))
+    t = None if m.group("t") is None else int(m.group("t"))
+    replica_match = _REPLICA.search(name)
+    replica = int(replica_match.group("replica")) if replica_match else 0
+    kind, rest, grad = m.group("kind"), m.group("rest"), m.group("grad")
+    if kind == ACCUMULATE:
+        return ParsedName(cell, BACKWARD, t, ACCUMULATE, replica)
+    if kind == FPROP:
+        if grad:
+            return ParsedName(cell, BACKWARD, t, FPROP_GRADIENT, replica)
+        return ParsedName(cell, FORWARD, t, FPROP, replica)
+    recomputed = rest.startswith(RECOMPUTE_SCOPE + "/") or f"/{RECOMPUTE_SCOPE}/" in rest
+    phase = RECOMPUTE if recomputed and not grad else BACKWARD
+    return ParsedName(cell, phase, t, BPROP, replica)
+
+
+def function_runs(sched: Schedule,
+                  keep: frozenset[tuple[int, int]]) -> dict[tuple[int, str], list[int]]:
+    """Per (cell, function family), the micro-batches of that function's calls in run order.
+
+    `keep` is the remat plan (`remat.remat_plan`). A cell's actions run one after the other in
+    its schedule order, so the j-th run of a function's ops on cell k belongs to the j-th entry
+    here: this is how a profiler trace, whose function-body ops carry no micro-batch, is mapped
+    back to actions.
+    """
+    runs: dict[tuple[int, str], list[int]] = {}
+    for k in range(sched.num_cells):
+        for action in sched.cell_order(k):
+            t = action.micro_batch
+            if action.phase is Phase.FORWARD:
+                families = [FPROP]
+            elif (k, t) in keep:
+                families = [FPROP_GRADIENT, ACCUMULATE]
+            else:
+                families = [BPROP]
+            for family in families:
+                runs.setdefault((k, family), []).append(t)
+    return runs

@@ -1,0 +1,62 @@
+"""The TensorFlow private APIs the pipeline depends on, in one place.
+
+Each of these has no public equivalent in TensorFlow 2.21:
+- `serial_function_calls`: function calls built inside it run on TensorFlow's single-threaded
+  executor (the per-call `function_call_options` of the eager context), which is how logical CPU
+  devices emulate accelerators that run one op at a time;
+- `NO_INLINE`: the function attribute that keeps grappler and the function-lowering pass from
+  inlining a call into its caller, so each pipeline action stays one call (one executor run);
+- `xplane_pb2`: the profiler's trace protobuf, read by `timeline`.
+
+If a TensorFlow upgrade breaks the pipeline, look here first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from types import ModuleType
+
+SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
+NO_INLINE = {"_noinline": True}
+
+
+@contextlib.contextmanager
+def serial_function_calls(enabled: bool = True) -> Iterator[None]:
+    """Function calls created inside (and their tape gradients) run one op at a time.
+
+    TensorFlow's single-threaded executor rejects reference-typed edges, which
+    grappler's memory optimiser creates when it turns a large AddN into an
+    in-place accumulation; that rewrite is switched off for these calls only.
+    """
+    if not enabled:
+        yield
+        return
+    # Imported here: this module is also read by TensorFlow-free analysis code (timeline).
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context as tf_context
+
+    ctx = tf_context.context()
+    saved = ctx.function_call_options
+    options = copy.copy(saved)
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.memory_optimization = (
+        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+    options.config_proto_serialized = config
+    options.executor_type = SERIAL_EXECUTOR
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
+
+
+def xplane_pb2() -> ModuleType:
+    """The profiler's XSpace protobuf module (its location moved between TF releases)."""
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2 as module
+    except ImportError:  # Older layouts.
+        from tensorflow.core.profiler.protobuf import xplane_pb2 as module  # type: ignore
+    return module

@@ -1,0 +1,178 @@
+"""The executor's plan in plain Python, and the structure of the graphs it builds.
+
+Checks `remat.remat_plan` and `op_names.function_runs` against orders written out by hand, the
+op-name parser against hand-classified names, and that a step's graph stops growing with the
+number of micro-batches: each cell's functions are traced once and called T times.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import graph_structure
+from lingvo_lite import fprop_context
+from lingvo_lite.layers import dense, losses, structural
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import (
+    cell_functions,
+    executor,
+    op_names,
+    pipelining_layer,
+    remat,
+    schedule,
+)
+
+
+class RematPlanTest(tf.test.TestCase):
+
+    def test_gpipe_plans_by_hand(self):
+        sched = schedule.make_schedule("gpipe", 2, 3)  # Cell order: F0 F1 F2 B2 B1 B0.
+        everything = {(k, t) for k in range(2) for t in range(3)}
+        self.assertEqual(remat.remat_plan(sched, "never"), everything)
+        self.assertEqual(remat.remat_plan(sched, "always"), set())
+        self.assertEqual(remat.remat_plan(sched, "except_last"), {(0, 2), (1, 2)})
+
+    def test_1f1b_keeps_only_the_last_cell_which_runs_each_backward_after_its_forward(self):
+        # K=3, T=4. Cell 2: F0 B0 F1 B1 F2 B2 F3 B3; cell 1: F0 F1 B0 F2 B1 F3 B2 B3;
+        # cell 0: F0 F1 F2 B0 F3 B1 B2 B3. Only cell 2's forwards are directly followed by
+        # their own backward.
+        sched = schedule.make_schedule("1f1b", 3, 4)
+        self.assertEqual(remat.remat_plan(sched, "except_last"),
+                         {(2, 0), (2, 1), (2, 2), (2, 3)})
+
+    def test_recomputed_actions_are_the_complement(self):
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        self.assertEqual(remat.recomputed_actions(sched, "except_last"),
+                         {schedule.Action(schedule.Phase.BACKWARD, k, 0) for k in range(2)})
+
+    def test_unknown_mode_names_the_parameter(self):
+        with self.assertRaisesRegex(ValueError, r"remat='sometimes'; use one of"):
+            remat.remat_plan(schedule.make_schedule("gpipe", 1, 1), "sometimes")
+
+    def test_docstring_example(self):
+        self.assertEqual(doctest.testmod(remat).failed, 0)
+
+
+class OpNamesTest(tf.test.TestCase):
+
+    def test_function_runs_by_hand(self):
+        sched = schedule.make_schedule("gpipe", 2, 2)  # F0 F1 B1 B0 on each cell.
+        runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
+        for k in range(2):
+            self.assertEqual(runs[(k, "fprop")], [0, 1])
+            self.assertEqual(runs[(k, "fprop_gradient")], [1])  # Kept: TF's gradient ...
+            self.assertEqual(runs[(k, "accumulate")], [1])  # ... then the sum.
+            self.assertEqual(runs[(k, "bprop")], [0])  # Re-computed.
+
+    def test_parse(self):
+        cases = {
+            "cell_3/fprop_mb_12/dense/MatMul": (3, "F", 12, "fprop"),
+            "cell_0/bprop_mb_2/recompute/x": (0, "R", 2, "bprop"),
+            "gradient_tape/cell_0/bprop_mb_2/recompute/x": (0, "B", 2, "bprop"),
+            "cell_1/fprop/layers/p0/MatMul": (1, "F", None, "fprop"),
+            "cell_1/bprop/recompute/layers/p0/MatMul": (1, "R", None, "bprop"),
+            "gradient_tape/cell_1/bprop/recompute/layers/p0/MatMul": (1, "B", None, "bprop"),
+            "gradients/cell_2/fprop/p0/MatMul_grad/MatMul": (2, "B", None, "fprop_gradient"),
+            "cell_0/accumulate/add_3": (0, "B", None, "accumulate"),
+            "task/replica_1/cell_4/fprop/x": (4, "F", None, "fprop"),
+        }
+        for name, (cell, phase, t, family) in cases.items():
+            parsed = op_names.parse(name)
+            self.assertEqual((parsed.cell, parsed.phase, parsed.micro_batch, parsed.family),
+                             (cell, phase, t, family), msg=name)
+        self.assertEqual(op_names.parse("task/replica_1/cell_4/fprop/x").replica, 1)
+        for other in ("dense/MatMul", "cell_x/fprop/y", "gradients/AddN", "cell_0/zero_grad"):
+            self.assertIsNone(op_names.parse(other), msg=other)
+
+    def test_formats_parse_back(self):
+        name = op_names.action_scope("B", 2, 7) + "/AddN"
+        self.assertEqual(op_names.parse(name).micro_batch, 7)
+        name = op_names.function_scope("bprop", 5, replica=3) + "/recompute/Relu"
+        parsed = op_names.parse(name)
+        self.assertEqual((parsed.cell, parsed.phase, parsed.replica), (5, "R", 3))
+
+    def test_docstring_examples(self):
+        for module in (op_names, cell_functions, executor):
+            self.assertEqual(doctest.testmod(module).failed, 0, msg=module.__name__)
+
+
+def _dense_stack(num_layers: int, width: int = 8) -> list:
+    layers = [structural.FieldLayer.Params().Set(
+        name=f"p{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
+            name="proj", input_dim=width, output_dim=width, activation="TANH"))
+        for i in range(num_layers)]
+    layers.append(structural.FieldsLayer.Params().Set(
+        name="loss", fields=["x", "labels"], sub=losses.SoftmaxCrossEntropyLayer.Params().Set(
+            name="xent", input_dim=width, num_classes=3)))
+    return layers
+
+
+def _stack_pipeline(num_layers: int, num_cells: int, num_micro_batches: int, remat_mode: str,
+                    batch: int = 64, width: int = 8) -> pipelining_layer.PipeliningLayer:
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name="pipe", layers=_dense_stack(num_layers, width), num_cells=num_cells,
+        num_micro_batches=num_micro_batches, remat=remat_mode, random_seed=3,
+        input_shapes=NestedMap(x=tf.TensorShape([batch, width]),
+                               labels=tf.TensorShape([batch]))).Instantiate()
+
+
+def _batch(batch: int = 64, width: int = 8) -> NestedMap:
+    rng = np.random.default_rng(0)
+    return NestedMap(x=tf.constant(rng.normal(size=(batch, width)), tf.float32),
+                     labels=tf.constant(rng.integers(0, 3, size=batch), tf.int32))
+
+
+def _step_graph(pipe: pipelining_layer.PipeliningLayer) -> tf.Graph:
+    def step(batch):
+        with fprop_context.fprop_context(training=True, step_seed=1):
+            out, grads = pipe.FPropAndGrads(pipe.theta, batch)
+        return out.loss, grads.Flatten()
+
+    return tf.function(step, autograph=False).get_concrete_function(_batch()).graph
+
+
+class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters("always", "except_last")
+    def test_graph_size_does_not_grow_with_micro_batches(self, remat_mode):
+        # 32 layers on 4 cells: at T=32 every layer used to be traced 3 x 32 times per cell
+        # (35,000 ops); now each action is a handful of ops calling its cell's functions.
+        counts = {t: graph_structure.total_op_count(
+            _step_graph(_stack_pipeline(32, 4, t, remat_mode))) for t in (4, 32)}
+        self.assertLess(counts[32], 1.5 * counts[4], msg=str(counts))
+
+    @parameterized.parameters("always", "except_last", "never")
+    def test_function_bodies_are_independent_of_micro_batches(self, remat_mode):
+        # Without re-materialisation each backward is TensorFlow's gradient of a forward call,
+        # which needs a few more ops per action (a gradient for every output of the call), but
+        # the function bodies still do not grow and each action stays a handful of ops.
+        sizes = {}
+        for t in (4, 32):
+            graph_def = _step_graph(_stack_pipeline(32, 4, t, remat_mode)).as_graph_def()
+            sizes[t] = (len(graph_def.node),
+                        sum(len(f.node_def) for f in graph_def.library.function))
+        self.assertEqual(sizes[4][1], sizes[32][1], msg=str(sizes))
+        actions_added = 2 * 4 * (32 - 4)
+        self.assertLess(sizes[32][0] - sizes[4][0], 10 * actions_added, msg=str(sizes))
+
+    def test_each_cell_function_is_traced_once(self):
+        pipe = _stack_pipeline(8, 2, 8, "except_last")
+        _step_graph(pipe)
+        # Per cell: the forward, the re-computing backward and the sum of a kept backward.
+        for cell in pipe._executor(0)._cells:
+            self.assertEqual(cell.num_traces, 3)
+
+    def test_eager_steps_reuse_the_traces(self):
+        pipe = _stack_pipeline(4, 2, 4, "always")
+        for seed in (1, 2):
+            with fprop_context.fprop_context(training=True, step_seed=seed):
+                pipe.FPropAndGrads(pipe.theta, _batch())
+        self.assertEqual([c.num_traces for c in pipe._executor(0)._cells], [2, 2])
+
+
+if __name__ == "__main__":
+    tf.test.main()
