@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import doctest
 
+import graph_structure
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-import graph_structure
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import dense, losses, structural
 from lingvo_lite.nested_map import NestedMap
@@ -172,6 +172,46 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             with fprop_context.fprop_context(training=True, step_seed=seed):
                 pipe.FPropAndGrads(pipe.theta, _batch())
         self.assertEqual([c.num_traces for c in pipe._executor(0)._cells], [2, 2])
+
+
+class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters(("gpipe", "except_last"), ("1f1b", "always"),
+                              ("1f1b", "never"))
+    def test_each_cell_runs_its_actions_in_schedule_order(self, schedule_name, remat_mode):
+        # Action i+1 of a cell may only start after action i: its call op must (transitively)
+        # wait for the previous action's call op in the step's graph.
+        num_cells, num_micro = 2, 4
+        pipe = pipelining_layer.PipeliningLayer.Params().Set(
+            name="pipe", layers=_dense_stack(4), num_cells=num_cells,
+            num_micro_batches=num_micro, remat=remat_mode, schedule=schedule_name,
+            random_seed=3, input_shapes=NestedMap(x=tf.TensorShape([64, 8]),
+                                                  labels=tf.TensorShape([64]))).Instantiate()
+        graph = _step_graph(pipe)
+        sched = schedule.make_schedule(schedule_name, num_cells, num_micro)
+        for k in range(num_cells):
+            calls = []
+            for action in sched.cell_order(k):
+                scope = op_names.action_scope(action.phase.value, k, action.micro_batch) + "/"
+                found = graph_structure.call_ops(graph, scope)
+                self.assertNotEmpty(found, msg=scope)
+                calls.append(found)
+            for before, after in zip(calls, calls[1:]):
+                ancestors = set().union(*(_ancestors(op) for op in after))
+                self.assertTrue(all(op in ancestors for op in before),
+                                msg=f"{after[0].name} does not wait for {before[0].name}")
+
+
+def _ancestors(op: tf.Operation) -> set:
+    """Every op that `op` waits for, through data and control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [x.op for x in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
 
 
 if __name__ == "__main__":
