@@ -6,6 +6,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 from typing import Any
 from unittest import mock
@@ -15,7 +17,10 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import layer_profile, pipelining_layer
+from lingvo_lite.training import analysis, model_config
 from tests import testdata_models
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WIDTH = 384
 BATCH = 128
@@ -223,6 +228,52 @@ class LayerProfileTest(tf.test.TestCase):
         spec = p.Copy().Set(input_shapes=tf.TensorSpec([BATCH, WIDTH], tf.bfloat16))
         self.assertEqual(f"bfloat16[{BATCH // 4}, {WIDTH}]",
                          layer_profile.profile_key(spec, None)["input_shapes"])
+
+    def test_logdir_profile_path_only_for_measured_pipelines(self):
+        task = testdata_models.TinyMlp().Task()
+        self.assertEqual([], model_config.set_layer_profile_paths(task, self.dir))
+        self.assertIsNone(task.network.partition_profile_path)
+        task.network.partition_cost = "measured"
+        self.assertEqual(["network"], model_config.set_layer_profile_paths(task, self.dir))
+        self.assertEqual(self.path, task.network.partition_profile_path)
+        task.network.partition_profile_path = "/elsewhere.json"  # A user's choice stays.
+        self.assertEqual([], model_config.set_layer_profile_paths(task, self.dir))
+
+    def test_inspect_model_shows_measured_times(self):
+        task = testdata_models.TinyMlp().Task()
+        task.network.Set(partition_cost="measured", partition_profile_path=self.path)
+        fresh = _fake_profile(task.network, [1e-3, 2e-3, 1e-3], [3e-3, 6e-3, 2e-3])
+        _write(self.path, [fresh])
+        text = analysis.describe_model("tiny", task, extra_num_cells=[3])
+        lines = text.splitlines()
+        row = next(ln.split() for ln in lines if ln.startswith("1  fc1 ") and "ms" not in ln
+                   and len(ln.split()) == 5)
+        self.assertEqual(["1", "fc1", "2.000", "4.000", "6.000"], row)  # fwd, bwd, fwd+bwd ms.
+        # T=2, remat except_last: cost = F (1 + 1/2) + B with B = [2, 4, 1] ms: 3.5, 7, 2.5 ms;
+        # min_max on 2 cells puts fc0 alone (largest cell 9.5 ms rather than 10.5 ms).
+        self.assertIn("Partition of 3 layers into 2 cells by measured seconds", text)
+        self.assertIn("Partition of 3 layers into 3 cells by measured seconds", text)
+        part = pipelining_layer.PipeliningLayer.ComputePartition(task.network)
+        self.assertEqual((1, 2), part.cell_sizes)
+        self.assertAllClose([3.5e-3, 7e-3, 2.5e-3], part.layer_costs)
+
+    def test_trainer_caches_the_profile_in_the_logdir(self):
+        logdir = os.path.join(self.dir, "run")
+        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+        args = [sys.executable, os.path.join(REPO, "trainer.py"), "--mode=train",
+                "--model=tests.testdata_models.TinyMlp", f"--logdir={logdir}", "--max_steps=2",
+                "--model_params_override=network.partition_cost : 'measured'"]
+        runs = [subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=300) for _ in range(2)]
+        for run in runs:
+            self.assertEqual(0, run.returncode, run.stderr[-2000:])
+        self.assertIn("Layer profile: measuring 3 layers", runs[0].stderr)
+        self.assertNotIn("Layer profile:", runs[1].stderr)  # The second run hits the cache.
+        with open(os.path.join(logdir, "layer_profile.json"), encoding="utf-8") as f:
+            stored = json.load(f)["profiles"]
+        self.assertEqual([["fc0", "fc1", "loss"]], [s["key"]["layer_names"] for s in stored])
+        with open(os.path.join(logdir, "model_analysis.txt"), encoding="utf-8") as f:
+            self.assertIn("Partition of 3 layers into 2 cells by measured seconds", f.read())
 
 
 if __name__ == "__main__":

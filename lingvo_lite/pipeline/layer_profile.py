@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +52,9 @@ from lingvo_lite.pipeline import micro_batch, placement
 FILE_FORMAT = "lingvo_lite.layer_profile/1"
 DEFAULT_WARMUP_RUNS = 2
 DEFAULT_TIMED_RUNS = 5
+# Short calls are repeated until about this much time is spent timing them.
+MIN_TIMED_SECONDS = 0.05
+MAX_TIMED_RUNS = 50
 # Profiles kept in one file (a file shared by several pipelines or settings), newest last.
 MAX_PROFILES_PER_FILE = 16
 _INT_FIELD = re.compile(r"(^|_)(ids|labels?)$")
@@ -326,10 +328,21 @@ def _asynchronous_devices() -> bool:
 
 
 def _median_seconds(call: Callable[[], Any], warmup_runs: int, timed_runs: int) -> float:
-    for _ in range(warmup_runs):
+    """Median seconds of `call` after `warmup_runs` calls (the first one traces).
+
+    At least `timed_runs` timed calls, more (up to MAX_TIMED_RUNS) for calls shorter than
+    MIN_TIMED_SECONDS / timed_runs, whose times scatter most.
+    """
+    last = 0.0
+    for _ in range(max(warmup_runs, 1)):
+        start = time.perf_counter()
         call()
+        last = time.perf_counter() - start
+    runs = timed_runs
+    if last > 0:
+        runs = min(max(timed_runs, math.ceil(MIN_TIMED_SECONDS / last)), MAX_TIMED_RUNS)
     samples = []
-    for _ in range(timed_runs):
+    for _ in range(runs):
         start = time.perf_counter()
         call()
         samples.append(time.perf_counter() - start)
@@ -341,9 +354,10 @@ def time_layer(layer: base_layer.BaseLayer, x: Any, *, batch_dim: int = 0,
                timed_runs: int = DEFAULT_TIMED_RUNS) -> tuple[float, float, Any]:
     """(forward seconds, forward + backward seconds, output) of `layer` on input `x`.
 
-    Both are medians over `timed_runs` calls of a `tf.function`, after `warmup_runs` calls
-    (the first one traces). The backward differentiates every float output (with ones as
-    output gradients) with respect to the float leaves of `x` and the trainable weights.
+    Both are medians over at least `timed_runs` calls of a `tf.function` (more for short
+    calls), after `warmup_runs` calls (the first one traces). The backward differentiates
+    every float output (with ones as output gradients) with respect to the float leaves of
+    `x` and the trainable weights.
     Run in training mode; batch-norm statistics are not reported anywhere.
 
     Example:
@@ -482,15 +496,16 @@ def _read_profiles(path: str) -> list[dict[str, Any]]:
 
 def _write_profiles(path: str, profiles: list[dict[str, Any]]) -> None:
     """Writes atomically (a reader never sees half a file); logs and goes on when it cannot."""
-    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".layer_profile_", suffix=".json", dir=directory)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"format": FILE_FORMAT, "profiles": profiles[-MAX_PROFILES_PER_FILE:]},
                       f, indent=1)
         os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         logging.warning("Layer profile: could not write %s (%s); the measured costs are "
                         "used but not cached.", path, e)
 
