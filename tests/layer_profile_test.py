@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 import os
@@ -228,6 +229,15 @@ class LayerProfileTest(tf.test.TestCase):
         spec = p.Copy().Set(input_shapes=tf.TensorSpec([BATCH, WIDTH], tf.bfloat16))
         self.assertEqual(f"bfloat16[{BATCH // 4}, {WIDTH}]",
                          layer_profile.profile_key(spec, None)["input_shapes"])
+
+    def test_docstring_examples_run(self):
+        # The module docstring defines `p`, which the other examples use.
+        setup = {"tf": tf}
+        for example in doctest.DocTestParser().get_examples(layer_profile.__doc__):
+            exec(example.source, setup)  # noqa: S102
+        result = doctest.testmod(layer_profile, extraglobs=setup)
+        self.assertEqual(0, result.failed)
+        self.assertGreater(result.attempted, 10)
 
     def test_logdir_profile_path_only_for_measured_pipelines(self):
         task = testdata_models.TinyMlp().Task()

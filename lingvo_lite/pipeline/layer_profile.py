@@ -24,6 +24,16 @@ Synthesised inputs: a leaf of `input_shapes` given as a `tf.TensorSpec` gets its
 `TensorShape` leaf is int32 zeros when its name is an id or label field (`ids`, `*_ids`, `label`,
 `labels`, `*_labels`), otherwise normal noise in the pipeline's activation dtype. The values do
 not change dense kernels' times; give `TensorSpec`s where the guess is wrong.
+
+The examples below use these params (two 4x4 projections, T=2 micro-batches of 4 examples):
+
+>>> from lingvo_lite.layers import dense
+>>> from lingvo_lite.pipeline.pipelining_layer import PipeliningLayer
+>>> p = PipeliningLayer.Params().Set(
+...     name="pipe", num_cells=2, num_micro_batches=2, partition_cost="measured",
+...     input_shapes=tf.TensorShape([8, 4]),
+...     layers=[dense.ProjectionLayer.Params().Set(name=f"fc{i}", input_dim=4, output_dim=4)
+...             for i in range(2)])
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -74,6 +84,9 @@ class LayerTiming:
       forward_s: median time of a forward call.
       forward_backward_s: median time of one call that runs the forward and then the
         backward (input and weight gradients).
+
+    >>> LayerTiming("fc", forward_s=1.0, forward_backward_s=3.0).cost(recompute_share=1.0)
+    4.0
     """
 
     name: str
@@ -158,12 +171,12 @@ class LayerProfile:
 # What a profile depends on.
 
 
-def layer_names(p: hyperparams.Params) -> list[str]:
+def _layer_names(p: hyperparams.Params) -> list[str]:
     """The names PipeliningLayer gives its layers (and partitions report)."""
     return [lp.name or f"{lp.cls.__name__}_{i}" for i, lp in enumerate(p.layers)]
 
 
-def micro_batch_shapes(p: hyperparams.Params) -> Any:
+def _micro_batch_shapes(p: hyperparams.Params) -> Any:
     """`p.input_shapes` with the batch dimension of one micro-batch of one replica."""
     shapes = p.input_shapes
     leaves = shapes.Flatten() if isinstance(shapes, NestedMap) else [shapes]
@@ -195,7 +208,7 @@ def micro_batch_shapes(p: hyperparams.Params) -> Any:
     return shapes.Transform(shrink) if isinstance(shapes, NestedMap) else shrink(shapes)
 
 
-def num_micro_batches(p: hyperparams.Params) -> int:
+def _num_micro_batches(p: hyperparams.Params) -> int:
     """T for `p.input_shapes`' mini-batch (1 when the batch size cannot be read)."""
     shapes = p.input_shapes
     leaves = shapes.Flatten() if isinstance(shapes, NestedMap) else [shapes]
@@ -213,7 +226,7 @@ def _as_shape(leaf: Any) -> tf.TensorShape:
     return leaf.shape if isinstance(leaf, tf.TensorSpec) else tf.TensorShape(leaf)
 
 
-def input_specs(shapes: Any, float_dtype: tf.DType) -> Any:
+def _input_specs(shapes: Any, float_dtype: tf.DType) -> Any:
     """`shapes` (TensorShapes / TensorSpecs, or a NestedMap of them) as TensorSpecs."""
     def spec(name: str, leaf: Any) -> Any:
         if leaf is None:
@@ -237,7 +250,7 @@ def _format_specs(specs: Any) -> str:
     return one(specs)
 
 
-def device_kind(device: str | None) -> str:
+def _device_kind(device: str | None) -> str:
     """What the device is, e.g. 'CPU (Intel(R) Xeon(R) ...)' or 'GPU (NVIDIA H100 ...)'."""
     spec = tf.DeviceSpec.from_string(device or "")
     kind = (spec.device_type or "CPU").upper()
@@ -267,15 +280,19 @@ def _cpu_model() -> str:
 
 
 def profile_key(p: hyperparams.Params, device: str | None) -> dict[str, Any]:
-    """Everything a PipeliningLayer params' layer times depend on (JSON-serialisable)."""
+    """Everything a PipeliningLayer params' layer times depend on (JSON-serialisable).
+
+    >>> profile_key(p, "/device:CPU:0")["input_shapes"]  # One micro-batch.
+    'float32[4, 4]'
+    """
     params_text = "\n".join(lp.ToText() for lp in p.layers)
-    specs = input_specs(micro_batch_shapes(p), tf.as_dtype(p.fprop_dtype or p.dtype))
+    specs = _input_specs(_micro_batch_shapes(p), tf.as_dtype(p.fprop_dtype or p.dtype))
     return {
         "params_sha256": hashlib.sha256(params_text.encode("utf-8")).hexdigest(),
-        "layer_names": layer_names(p),
+        "layer_names": _layer_names(p),
         "input_shapes": _format_specs(specs),
         "batch_dim": int(p.batch_dim),
-        "device_kind": device_kind(device),
+        "device_kind": _device_kind(device),
         "serial_devices": bool(p.serial_devices),
         "intra_op_threads": int(tf.config.threading.get_intra_op_parallelism_threads()),
         "tf_version": tf.__version__,
@@ -291,6 +308,9 @@ def profile_device(p: hyperparams.Params) -> str | None:
 
     None (TensorFlow's default device) when the placement cannot be resolved here, e.g. for
     a model inspected without its logical devices.
+
+    >>> profile_device(p) in (None, "/device:CPU:0")
+    True
     """
     try:
         return placement.resolve_mesh(p.placement, p.num_replicas, p.num_cells)[0][0]
@@ -302,7 +322,7 @@ def profile_device(p: hyperparams.Params) -> str | None:
 # Measuring.
 
 
-def synthetic_input(specs: Any, seed: int = 0) -> Any:
+def _synthetic_input(specs: Any, seed: int = 0) -> Any:
     """A value matching `specs`: int zeros, float normal noise (deterministic)."""
     def make(s: Any) -> Any:
         if s is None:
@@ -366,11 +386,10 @@ def time_layer(layer: base_layer.BaseLayer, x: Any, *, batch_dim: int = 0,
     `x` and the trainable weights.
     Run in training mode; batch-norm statistics are not reported anywhere.
 
-    Example:
-
-    >>> from lingvo_lite.layers import basic  # doctest: +SKIP
-    >>> layer = basic.FCLayer.Params().Set(name="fc", input_dim=8, output_dim=8).Instantiate()
-    >>> fwd_s, fwd_bwd_s, y = time_layer(layer, tf.ones([4, 8]))  # doctest: +SKIP
+    >>> layer = p.layers[0].Instantiate()
+    >>> forward_s, forward_backward_s, y = time_layer(layer, tf.ones([4, 4]))
+    >>> y.shape, forward_s > 0
+    (TensorShape([4, 4]), True)
     """
     from lingvo_lite.pipeline import pipelining_layer  # The serial executor's switch.
 
@@ -430,11 +449,8 @@ def measure_profile(p: hyperparams.Params, device: str | None = None, *,
     output feeds the next layer. Works inside a graph or tf.function being traced: the
     measurement runs eagerly in a thread of its own.
 
-    Example:
-
-    >>> p = PipeliningLayer.Params().Set(name="pipe", layers=[...], num_cells=2,
-    ...                                  input_shapes=tf.TensorShape([32, 64]))  # doctest: +SKIP
-    >>> measure_profile(p, "/device:CPU:0").costs()  # seconds per layer  # doctest: +SKIP
+    >>> [t.name for t in measure_profile(p, "/device:CPU:0").layers]
+    ['fc0', 'fc1']
     """
     key = profile_key(p, device)
     result: list[Any] = []
@@ -458,10 +474,10 @@ def measure_profile(p: hyperparams.Params, device: str | None = None, *,
 def _measure_layers(p: hyperparams.Params, device: str | None, key: dict[str, Any],
                     warmup_runs: int | None, timed_runs: int | None) -> LayerProfile:
     names = key["layer_names"]
-    specs = input_specs(micro_batch_shapes(p), tf.as_dtype(p.fprop_dtype or p.dtype))
+    specs = _input_specs(_micro_batch_shapes(p), tf.as_dtype(p.fprop_dtype or p.dtype))
     timings = []
     with tf.device(device) if device else contextlib.nullcontext():
-        x = synthetic_input(specs)
+        x = _synthetic_input(specs)
         for i, lp in enumerate(p.layers):
             q = lp.Copy()
             q.name = names[i]
@@ -546,10 +562,11 @@ def load_or_measure(p: hyperparams.Params, device: str | None = None,
       device: the device to time on; None: `profile_device(p)`.
       measure: replaces `measure_profile` (tests).
 
-    Example:
-
-    >>> p.partition_profile_path = "/tmp/run/layer_profile.json"  # doctest: +SKIP
-    >>> costs = load_or_measure(p).costs()  # doctest: +SKIP
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "layer_profile.json")
+    >>> profile = load_or_measure(p.Copy().Set(partition_profile_path=path))
+    >>> os.path.exists(path), len(profile.costs())
+    (True, 2)
     """
     device = profile_device(p) if device is None else device
     key = profile_key(p, device)
@@ -586,21 +603,34 @@ def load_or_measure(p: hyperparams.Params, device: str | None = None,
 
 
 def measured_costs(p: hyperparams.Params) -> list[float]:
-    """Per-layer costs (seconds per micro-batch) for PipeliningLayer.ComputePartition."""
+    """Per-layer costs (seconds per micro-batch) for PipeliningLayer.ComputePartition.
+
+    >>> all(c > 0 for c in measured_costs(p))
+    True
+    """
     profile = load_or_measure(p)
     if len(profile.layers) != len(p.layers):  # Unreachable: the key holds the layer names.
         raise ValueError("the layer profile does not match the layers")
-    return profile.costs(recompute_share(p.remat, num_micro_batches(p)))
+    return profile.costs(recompute_share(p.remat, _num_micro_batches(p)))
 
 
 def clear_memo() -> None:
-    """Forgets the profiles measured in this process (tests)."""
+    """Forgets the profiles measured in this process (tests).
+
+    >>> clear_memo()  # The next load_or_measure reads its file or measures again.
+    """
     _MEMO.clear()
 
 
-def format_profile(profile: LayerProfile, names: Sequence[str] | None = None) -> list[str]:
-    """Lines of a table: per layer forward, backward and forward + backward milliseconds."""
-    rows = [(str(i), t.name if names is None else names[i], f"{1e3 * t.forward_s:.3f}",
+def format_profile(profile: LayerProfile) -> list[str]:
+    """Lines of a table: per layer forward, backward and forward + backward milliseconds.
+
+    >>> print("\\n".join(format_profile(LayerProfile({}, (LayerTiming("fc", 1e-3, 3e-3),)))))
+    #  layer  fwd ms  bwd ms  fwd+bwd ms
+    ------------------------------------
+    0  fc      1.000   2.000       3.000
+    """
+    rows = [(str(i), t.name, f"{1e3 * t.forward_s:.3f}",
              f"{1e3 * t.backward_s:.3f}", f"{1e3 * t.forward_backward_s:.3f}")
             for i, t in enumerate(profile.layers)]
     header = ("#", "layer", "fwd ms", "bwd ms", "fwd+bwd ms")

@@ -3,8 +3,10 @@
 Each invocation has two phases:
   1. setup (`prepare`): validate the options, resolve the model and overrides, configure the
      logical devices, build the task and input, restore the latest checkpoint, trace the step.
-     Nothing is written to the log directory. A user error here (`ValueError` -- including
-     `UsageError` --, `KeyError`, `AttributeError`, `FileNotFoundError`) is printed as
+     Nothing is written to the log directory but the layer-time cache of
+     partition_cost='measured' pipelines (`layer_profile.json`). A user error here
+     (`ValueError` -- including `UsageError` --, `KeyError`, `AttributeError`,
+     `FileNotFoundError`) is printed as
      `trainer.py: error: <message>` and `main` returns 1, without a traceback.
   2. the job: train / evaluate / print. Exceptions here are bugs and propagate.
 """
