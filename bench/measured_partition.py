@@ -19,8 +19,8 @@ The recorded run (a quiet machine, oneDNN on as in bench/run_all.py):
     TF_ENABLE_ONEDNN_OPTS=1 python bench/measured_partition.py --num_cells=2,4 \\
         --num_micro_batches=8 --rounds=5 --iters=2
 
-A quick end-to-end check (numbers meaningless): add `--quick` (K=2, T=2, one round of one step,
-one profiled step, and a 2-run layer profile).
+A quick end-to-end check (numbers meaningless): add `--quick` (T=2, one round of one step, one
+profiled step, and a 2-run layer profile).
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--profile_path", default=None,
                         help="partition_profile_path: a JSON cache of the layer times.")
     parser.add_argument("--quick", action="store_true",
-                        help="K=2, T=2, 1 round of 1 step, 1 profiled step (a smoke test).")
+                        help="T=2, 1 round of 1 step, 1 profiled step, a 2-run layer "
+                        "profile: a smoke test, numbers meaningless.")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_cells, args.num_micro_batches = "2", 2
-        args.rounds, args.iters, args.profile_steps = 1, 1, 1
+        args.num_micro_batches, args.rounds, args.iters, args.profile_steps = 2, 1, 1, 1
     args.ks = [int(k) for k in args.num_cells.split(",")]
     return args
 
