@@ -192,7 +192,10 @@ class LayerProfileTest(tf.test.TestCase):
         fresh = _fake_profile(p, [1, 1, 1, 1], [2, 2, 2, 2])
         bad_layer = {"format": layer_profile.FILE_FORMAT,
                      "profiles": [{"key": {}, "layers": [{"name": "mm0"}]}]}
-        for content in ("{not json", json.dumps(bad_layer), "\x00\xff"):
+        short = fresh.to_json()
+        short["layers"] = short["layers"][:3]  # The right key, a layer missing.
+        short_file = {"format": layer_profile.FILE_FORMAT, "profiles": [short]}
+        for content in ("{not json", json.dumps(bad_layer), "\x00\xff", json.dumps(short_file)):
             layer_profile.clear_memo()
             with open(self.path, "w", encoding="latin-1") as f:
                 f.write(content)

@@ -164,6 +164,10 @@ class LayerProfile:
                                                             timing.forward_backward_s)):
                 raise ValueError(f"layer {i} of a profile has a negative or non-finite time")
             layers.append(timing)
+        names = data["key"].get("layer_names")
+        if isinstance(names, list) and names != [t.name for t in layers]:
+            raise ValueError(f"a profile's {len(layers)} layers do not match its key's "
+                             f"{len(names)} layer names")
         return cls(key=data["key"], layers=tuple(layers))
 
 
@@ -609,8 +613,6 @@ def measured_costs(p: hyperparams.Params) -> list[float]:
     True
     """
     profile = load_or_measure(p)
-    if len(profile.layers) != len(p.layers):  # Unreachable: the key holds the layer names.
-        raise ValueError("the layer profile does not match the layers")
     return profile.costs(recompute_share(p.remat, _num_micro_batches(p)))
 
 
