@@ -13,7 +13,9 @@ Modes:
   list_models     list the registered models.
   inspect_params  print the task and input params (the format --*_params_override accepts).
   inspect_model   per-layer shapes, params, flops and the pipeline partition, without
-                  allocating any weight (add --inspect_num_cells=2,4,8 to compare K).
+                  allocating any weight (add --inspect_num_cells=2,4,8 to compare K). With
+                  partition_cost='measured' it times each layer alone (with --logdir, cached
+                  in <logdir>/layer_profile.json).
   check_equivalence  one train batch through the pipelined model (K, T, remat, schedule as
                   configured) and through the same layers unpipelined on one device: loss and
                   per-variable gradient differences, worst first; exit status 1 if one exceeds

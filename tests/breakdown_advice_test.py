@@ -34,6 +34,13 @@ class AdviceTest(unittest.TestCase):
             partition_costs=("flops", "param_bytes", "activation_bytes", "measured"))
         self.assertIn("consider partition_cost='measured'",
                       breakdown_advice.summary_line(b, measured))
+        already = breakdown_advice.PipelineConfig(
+            num_cells=2, num_micro_batches=8, partition_cost="measured",
+            partition_costs=("flops", "param_bytes", "activation_bytes", "measured"))
+        line = breakdown_advice.summary_line(b, already)
+        self.assertNotIn("consider partition_cost", line)
+        self.assertIn("re-measure them on a quiet machine", line)
+        self.assertIn("move layers off device 1", line)
 
     def test_balanced_partition_gets_no_suggestion(self):
         # Both devices busy 80% of the step: GPipe's bound at K=2, T=8 is 1/9 = 11% of

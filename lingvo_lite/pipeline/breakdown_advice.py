@@ -56,6 +56,10 @@ def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | No
         return None
     if "measured" in config.partition_costs and config.partition_cost != "measured":
         fix = "consider partition_cost='measured'"
+    elif config.partition_cost == "measured":
+        fix = ("the measured layer times misjudge the cells' times: re-measure them on a quiet "
+               "machine (delete the partition_profile_path file) or move layers off device "
+               f"{hi} (partition_method='explicit' with split_points)")
     else:
         fix = (f"the partition_cost='{config.partition_cost}' estimate misjudges the cells' "
                f"times: move layers off device {hi} (partition_method='explicit' with "

@@ -46,7 +46,7 @@ from lingvo_lite.pipeline import (
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
 REMAT_MODES = remat.REMAT_MODES
-PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes")
+PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
 
 
 def _check_tensor_leaves(value: Any, where: str) -> None:
@@ -100,7 +100,12 @@ class PipeliningLayer(base_layer.BaseLayer):
             "counts) or 'explicit' (use split_points).",
         )
         p.Define("partition_cost", "flops",
-                 f"Cost the partitioner balances, one of {PARTITION_COSTS}.")
+                 f"Cost the partitioner balances, one of {PARTITION_COSTS}. 'measured': "
+                 "each layer's forward and backward time on the cells' device "
+                 "(layer_profile.py), cached in partition_profile_path.")
+        p.Define("partition_profile_path", None,
+                 "JSON file caching the layer times of partition_cost='measured' (None: "
+                 "measure in every process). The trainer sets <logdir>/layer_profile.json.")
         p.Define("split_points", None,
                  "For partition_method='explicit': index of the first layer of cells 1..K-1.")
         p.Define(
@@ -238,7 +243,12 @@ class PipeliningLayer(base_layer.BaseLayer):
                 )
             metas = cls.LayerMetas(p)
             cost_name = p.partition_cost
-            if cost_name == "flops":
+            if cost_name == "measured":
+                from lingvo_lite.pipeline import layer_profile  # Imports this module.
+
+                costs = layer_profile.measured_costs(p)
+                cost_name = "measured seconds"
+            elif cost_name == "flops":
                 costs = [m.flops for m in metas]
             elif cost_name == "param_bytes":
                 costs = [m.num_params * tf.as_dtype(p.dtype).size for m in metas]

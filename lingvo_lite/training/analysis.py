@@ -90,6 +90,7 @@ def describe_pipeline(path: str, p: hyperparams.Params,
                      partition.format_si(sum(m.flops for m in metas)), ""))
         header = ("#", "layer", "class", "output shape", "params", "fwd flops", "out bytes")
         lines += _table(header, rows, (True, False, False, False, True, True, True))
+    profile = _measured_profile(p, lines) if p.partition_cost == "measured" else None
     ks = [p.num_cells] + [k for k in extra_num_cells if k != p.num_cells]
     num_micro = _num_micro_batches(p)
     for k in ks:
@@ -102,7 +103,16 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines.append(f"K={k}: cannot partition: {e}")
             continue
         lines.append(part.report())
-        if metas is not None and num_micro is not None:
+        if profile is not None and num_micro is not None:
+            forward = [t.forward_s * num_micro for t in profile.layers]
+            ratio = (sum(t.backward_s for t in profile.layers)
+                     / max(sum(t.forward_s for t in profile.layers), 1e-12))
+            prediction = simulator.predict(part, forward, num_micro, p.schedule, p.remat,
+                                           backward_ratio=ratio)
+            lines += [f"Predicted step (schedule simulator; time = measured forward seconds, "
+                      f"backward = {ratio:.2f} x forward, transfers free):",
+                      "  " + prediction.summary()]
+        elif metas is not None and num_micro is not None:
             prediction = simulator.predict(part, [m.flops for m in metas], num_micro,
                                            p.schedule, p.remat)
             lines += ["Predicted step (schedule simulator; time = forward FLOPs, backward = "
@@ -110,6 +120,26 @@ def describe_pipeline(path: str, p: hyperparams.Params,
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
     return "\n".join(lines), counts
+
+
+def _measured_profile(p: hyperparams.Params, lines: list[str]) -> Any:
+    """partition_cost='measured': appends the layers' measured times to `lines`; the profile
+    (None, with the reason in `lines`, when the layers cannot be timed)."""
+    from lingvo_lite.pipeline import layer_profile
+
+    try:
+        profile = layer_profile.load_or_measure(p)
+    except ValueError as e:
+        lines.append(f"(no measured layer times: {e})")
+        return None
+    key = profile.key
+    where = p.partition_profile_path or "not cached: partition_profile_path is None"
+    lines += ["", f"Measured layer times (partition_cost='measured'): one micro-batch "
+              f"{key['input_shapes']} on {key['device_kind']}"
+              f"{', serial executor' if key['serial_devices'] else ''}, TF {key['tf_version']} "
+              f"({where}):"]
+    lines += layer_profile.format_profile(profile)
+    return profile
 
 
 def _num_micro_batches(p: hyperparams.Params) -> int | None:

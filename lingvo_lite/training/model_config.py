@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,6 +181,29 @@ def set_pipeline_fields(p: hyperparams.Params, num_cells: int | None = None,
         if placement is not None:
             pp.placement = placement
     return len(pipelines)
+
+
+LAYER_PROFILE_FILE = "layer_profile.json"
+
+
+def set_layer_profile_paths(p: hyperparams.Params, logdir: str) -> list[str]:
+    """Points every PipeliningLayer with partition_cost='measured' and no
+    `partition_profile_path` at `<logdir>/layer_profile.json`: the cache of its layer times,
+    beside the checkpoints, so a restarted or evaluating job partitions on the same times.
+
+    Returns the dotted paths of the pipelines that were set.
+    """
+    changed = []
+    for path, pp in iter_pipelining_params(p):
+        if pp.partition_cost == "measured" and pp.partition_profile_path is None:
+            pp.partition_profile_path = os.path.join(logdir, LAYER_PROFILE_FILE)
+            changed.append(path)
+    return changed
+
+
+def uses_measured_costs(p: hyperparams.Params) -> bool:
+    """Whether a PipeliningLayer under `p` partitions on measured layer times."""
+    return any(pp.partition_cost == "measured" for _, pp in iter_pipelining_params(p))
 
 
 def _apply_flags(p: hyperparams.InstantiableParams, options: RunOptions) -> None:

@@ -3,8 +3,10 @@
 Each invocation has two phases:
   1. setup (`prepare`): validate the options, resolve the model and overrides, configure the
      logical devices, build the task and input, restore the latest checkpoint, trace the step.
-     Nothing is written to the log directory. A user error here (`ValueError` -- including
-     `UsageError` --, `KeyError`, `AttributeError`, `FileNotFoundError`) is printed as
+     Nothing is written to the log directory but the layer-time cache of
+     partition_cost='measured' pipelines (`layer_profile.json`). A user error here
+     (`ValueError` -- including `UsageError` --, `KeyError`, `AttributeError`,
+     `FileNotFoundError`) is printed as
      `trainer.py: error: <message>` and `main` returns 1, without a traceback.
   2. the job: train / evaluate / print. Exceptions here are bugs and propagate.
 """
@@ -87,11 +89,27 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
     if options.mode == "inspect_model":
         from lingvo_lite.training import analysis
 
+        if model_config.uses_measured_costs(config.task_params):
+            _prepare_layer_timing(options, config)
         return _printer(analysis.describe_model(
             config.name, config.task_params, list(options.inspect_num_cells)), out)
     if options.mode == "check_equivalence":
         return _prepare_check_equivalence(options, config, out, err)
     return _prepare_run(options, config, out, err)
+
+
+def _prepare_layer_timing(options: RunOptions, config: model_config.ModelConfig) -> None:
+    """inspect_model with partition_cost='measured': time layers as training would.
+
+    The same logical devices and thread pools as a train run (the profile's key holds the
+    device kind and thread count), and with --logdir the run's cached layer profile.
+    """
+    from lingvo_lite import devices
+
+    num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
+    devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
+    if options.logdir:
+        model_config.set_layer_profile_paths(config.task_params, options.abs_logdir)
 
 
 def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelConfig,
@@ -172,6 +190,7 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     for params in eval_splits.values():
         params.Instantiate()  # Validates the eval input params now rather than mid-run.
     logdir = options.abs_logdir
+    model_config.set_layer_profile_paths(config.task_params, logdir)
     print(f"Model {config.name}, mode {options.mode}, {num_cpus} logical CPU device(s).\n"
           f"Logdir: {logdir}\nWatch it with: tensorboard --logdir {logdir}", file=out, flush=True)
 
@@ -243,6 +262,7 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
     if options.seed is not None:
         tf.random.set_seed(options.seed)
     logdir = options.abs_logdir
+    model_config.set_layer_profile_paths(config.task_params, logdir)
     print(f"Model {config.name}, mode train, TPUStrategy of {num_replicas} replica(s) x "
           f"{num_cells} core(s).\nLogdir: {logdir}\nWatch it with: tensorboard --logdir "
           f"{logdir}", file=out, flush=True)

@@ -1,0 +1,176 @@
+"""AmoebaNetDigits partitioned by FLOPs vs by measured layer times, on serial logical devices.
+
+For each K, the registered `image.AmoebaNetDigits` pipeline is partitioned twice,
+`partition_cost='flops'` and `partition_cost='measured'` (lingvo_lite/pipeline/layer_profile.py),
+and both are trained side by side at T micro-batches on K serial devices (`serial_devices=True`,
+intra-op 1 and inter-op K threads: each device runs one op at a time, as an accelerator). It
+prints, per partition:
+
+- the cells' sizes and the imbalance (max / mean cell cost) the cost model predicts, and the
+  imbalance the measured layer profile gives the same split;
+- the busy-time imbalance really measured: max / mean of the devices' busy time in the TF
+  profiler timeline of `--profile_steps` steps (lingvo_lite/pipeline/timeline.py), the mean
+  over those steps;
+- the median step time over interleaved rounds, and the speedup over one serial device
+  (K=1, T=1, no recomputation) timed in the same rounds.
+
+The recorded run (a quiet machine, oneDNN on as in bench/run_all.py):
+
+    TF_ENABLE_ONEDNN_OPTS=1 python bench/measured_partition.py --num_cells=2,4 \\
+        --num_micro_batches=8 --rounds=5 --iters=2
+
+A quick end-to-end check (numbers meaningless): add `--quick` (T=2, one round of one step, one
+profiled step, and a 2-run layer profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MODEL = "image.AmoebaNetDigits"
+COSTS = ("flops", "measured")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num_cells", default="2,4", help="K values, comma-separated.")
+    parser.add_argument("--num_micro_batches", type=int, default=8, help="T.")
+    parser.add_argument("--remat", default="except_last", help="PipeliningLayer remat.")
+    parser.add_argument("--rounds", type=int, default=5, help="Interleaved timing rounds.")
+    parser.add_argument("--iters", type=int, default=2, help="Steps per timing sample.")
+    parser.add_argument("--profile_steps", type=int, default=3,
+                        help="Profiled steps per partition (busy-time imbalance).")
+    parser.add_argument("--profile_path", default=None,
+                        help="partition_profile_path: a JSON cache of the layer times.")
+    parser.add_argument("--quick", action="store_true",
+                        help="T=2, 1 round of 1 step, 1 profiled step, a 2-run layer "
+                        "profile: a smoke test, numbers meaningless.")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_micro_batches, args.rounds, args.iters, args.profile_steps = 2, 1, 1, 1
+    args.ks = [int(k) for k in args.num_cells.split(",")]
+    return args
+
+
+def _network_params():
+    from lingvo_lite.training import model_config
+
+    task = model_config.resolve_model_class(MODEL)().Task()
+    (_, network), = model_config.iter_pipelining_params(task)
+    return network
+
+
+def _batch(network):
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite.nested_map import NestedMap
+
+    shapes = network.input_shapes
+    rng = np.random.default_rng(0)
+    return NestedMap(
+        image=tf.constant(rng.normal(size=shapes.image.as_list()), tf.float32),
+        label=tf.constant(rng.integers(0, 10, shapes.label.as_list()), tf.int32))
+
+
+def _busy_imbalance(step, batch, num_cells: int, num_steps: int) -> float:
+    """Mean over `num_steps` profiled steps of max / mean device busy time."""
+    import tensorflow as tf
+
+    from lingvo_lite.pipeline import timeline
+
+    float(step(batch))  # Traced and run once before the profiled steps.
+    logdir = tempfile.mkdtemp(prefix="measured_partition_")
+    tf.profiler.experimental.start(logdir)
+    for i in range(num_steps):
+        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
+            float(step(batch))
+    tf.profiler.experimental.stop()
+    spaces = timeline.load_xspaces(logdir)
+    events = timeline.op_events(spaces)
+    ratios = []
+    for _, start, end in timeline.step_windows(spaces):
+        busy = timeline.compute_breakdown(timeline.events_in(events, start, end),
+                                          num_cells).device_busy
+        ratios.append(max(busy) * num_cells / sum(busy))
+    return float(statistics.mean(ratios))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import bench_lib
+
+    from lingvo_lite.pipeline import layer_profile, partition
+
+    if args.quick:
+        layer_profile.DEFAULT_WARMUP_RUNS, layer_profile.DEFAULT_TIMED_RUNS = 1, 2
+        layer_profile.MIN_TIMED_SECONDS = 0.0
+    network = _network_params()
+    batch = _batch(network)
+    t = args.num_micro_batches
+    steps, rows = {}, []
+    for k in args.ks:
+        for cost in COSTS:
+            p = network.Copy().Set(
+                name="pipe", num_cells=k, num_micro_batches=t, remat=args.remat,
+                partition_cost=cost, serial_devices=True, random_seed=1,
+                partition_profile_path=args.profile_path)
+            pipe = p.Instantiate()
+            part = pipe.partition
+            measured_costs = layer_profile.measured_costs(p.Copy().Set(partition_cost="measured"))
+            under_profile = partition.Partition(part.cell_sizes, part.layer_names, measured_costs)
+            step = bench_lib.pipeline_train_step(pipe)[0]
+            name = f"K{k}_{cost}"
+            steps[name] = (step, batch)
+            rows.append({"name": name, "num_cells": k, "cost": cost,
+                         "cell_sizes": list(part.cell_sizes),
+                         "cost_model_imbalance": part.imbalance,
+                         "profile_imbalance": under_profile.imbalance,
+                         "busy_imbalance": _busy_imbalance(step, batch, k,
+                                                           args.profile_steps)})
+    one = network.Copy().Set(name="one", num_cells=1, num_micro_batches=1, remat="never",
+                             serial_devices=True, random_seed=1).Instantiate()
+    steps["one_device"] = (bench_lib.pipeline_train_step(one)[0], batch)
+    samples = bench_lib.interleaved(steps, args.rounds, args.iters)
+    one_s = bench_lib.median(samples["one_device"])
+    for row in rows:
+        row["step_ms"] = 1e3 * bench_lib.median(samples[row["name"]])
+        row["speedup"] = one_s / (row["step_ms"] / 1e3)
+    return {"model": MODEL, "num_micro_batches": t, "remat": args.remat,
+            "one_device_ms": 1e3 * one_s, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    header = ("K", "cost", "cells", "cost-model imb.", "profile imb.", "busy imb.", "step ms",
+              "speedup")
+    rows = [(str(r["num_cells"]), r["cost"], "/".join(map(str, r["cell_sizes"])),
+             f"{r['cost_model_imbalance']:.2f}", f"{r['profile_imbalance']:.2f}",
+             f"{r['busy_imbalance']:.2f}", f"{r['step_ms']:.1f}", f"{r['speedup']:.2f}x")
+            for r in result["rows"]]
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+    lines = [f"{result['model']}, T={result['num_micro_batches']}, remat={result['remat']}, "
+             "serial devices; speedup over one serial device "
+             f"({result['one_device_ms']:.1f} ms/step); imbalance = max / mean"]
+    for r in [header, *rows]:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    args = _parse(argv)
+    import bench_lib
+
+    bench_lib.setup(max(args.ks), 1, max(args.ks))
+    result = run(args)
+    print(format_table(result))
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
