@@ -568,3 +568,14 @@ def test_existing_subclass_with_several_cells_per_device_must_define_device_orde
 
     with pytest.raises(NotImplementedError, match='must define device_order'):
         TwoPerDevice(4, 1, num_devices=2).timeline()
+
+
+def test_custom_schedule_placement_must_name_listed_devices():
+    with pytest.raises(ValueError, match='device_of_cell names device 2, but the orders list '
+                                         r'devices 0\.\.1'):
+        schedule.CustomSchedule('device 0: 0F0 0B0\ndevice 1: 1F0 1B0', device_of_cell=[0, 2])
+
+
+def test_docstring_examples():
+    import doctest
+    assert doctest.testmod(schedule).failed == 0
