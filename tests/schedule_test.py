@@ -2,7 +2,7 @@
 
 import pytest
 
-from lingvo_lite.pipeline import schedule
+from lingvo_lite.pipeline import custom_schedule, schedule
 from lingvo_lite.pipeline.schedule import Action, Phase
 
 F, B = Phase.FORWARD, Phase.BACKWARD
@@ -464,9 +464,9 @@ def test_text_form_round_trip(name, K, v, T):
     lines = text.splitlines()
     assert [line.split(':')[0] for line in lines] == [f'device {d}' for d in range(K)]
     want = [sched.device_order(d) for d in range(K)]
-    assert schedule.parse_orders(text) == want
-    assert schedule.parse_orders(text, [k % K for k in range(K * v)]) == want
-    custom = schedule.CustomSchedule(text)
+    assert custom_schedule.parse_orders(text) == want
+    assert custom_schedule.parse_orders(text, [k % K for k in range(K * v)]) == want
+    custom = custom_schedule.CustomSchedule(text)
     assert custom.splits_backward == (name == 'zero_bubble')
     assert custom.timeline() == sched.timeline()
     assert custom.format_orders() == text
@@ -480,7 +480,7 @@ def test_text_form_notation():
         'device 1: ' + INTERLEAVED_2_2_2[1])
     # The parser takes both forms, comments and blank lines; the cell of a short form is
     # the device's only cell, here with an explicit placement (cell 0 on device 1).
-    orders = schedule.parse_orders('# two devices\n\ndevice 0: 1F0 B0\ndevice 1:  F0 0B0\n',
+    orders = custom_schedule.parse_orders('# two devices\n\ndevice 0: 1F0 B0\ndevice 1:  F0 0B0\n',
                                    device_of_cell=[1, 0])
     assert [[_key(a) for a in order] for order in orders] == [[('F', 1, 0), ('B', 1, 0)],
                                                                [('F', 0, 0), ('B', 0, 0)]]
@@ -488,7 +488,7 @@ def test_text_form_notation():
 
 def test_custom_schedule_written_by_hand():
     # A user's own split-backward schedule: K=2, T=2, W's of cell 1 moved to the end.
-    sched = schedule.CustomSchedule('device 0: F0 F1 B0 W0 B1 W1\n'
+    sched = custom_schedule.CustomSchedule('device 0: F0 F1 B0 W0 B1 W1\n'
                                     'device 1: F0 B0 F1 B1 W0 W1', name='mine')
     assert sched.name == 'mine' and sched.splits_backward
     assert (sched.num_cells, sched.num_devices, sched.num_micro_batches) == (2, 2, 2)
@@ -497,13 +497,13 @@ def test_custom_schedule_written_by_hand():
     assert sched.bubble_fraction() == pytest.approx(2 / 14)
     assert 'mine: 2 cells, 2 micro-batches, 7 ticks' in sched.to_text()
     # Actions may be given as lists too.
-    same = schedule.CustomSchedule([sched.device_order(0), sched.device_order(1)])
+    same = custom_schedule.CustomSchedule([sched.device_order(0), sched.device_order(1)])
     assert same.timeline() == sched.timeline()
 
 
 def _problems(text, **kwargs):
     with pytest.raises(ValueError) as err:
-        schedule.CustomSchedule(text, **kwargs)
+        custom_schedule.CustomSchedule(text, **kwargs)
     return str(err.value).splitlines()
 
 
@@ -555,7 +555,7 @@ def test_parser_errors(text, kwargs, line):
     lines = _problems(text, **kwargs)
     assert len(lines) == 2 and lines[1].startswith(line), lines
     with pytest.raises(ValueError, match='parse_orders: 1 problem'):
-        schedule.parse_orders(text, **kwargs)
+        custom_schedule.parse_orders(text, **kwargs)
 
 
 def test_existing_subclass_with_several_cells_per_device_must_define_device_order():
@@ -573,9 +573,15 @@ def test_existing_subclass_with_several_cells_per_device_must_define_device_orde
 def test_custom_schedule_placement_must_name_listed_devices():
     with pytest.raises(ValueError, match='device_of_cell names device 2, but the orders list '
                                          r'devices 0\.\.1'):
-        schedule.CustomSchedule('device 0: 0F0 0B0\ndevice 1: 1F0 1B0', device_of_cell=[0, 2])
+        custom_schedule.CustomSchedule('device 0: 0F0 0B0\ndevice 1: 1F0 1B0',
+                                       device_of_cell=[0, 2])
 
 
 def test_docstring_examples():
     import doctest
     assert doctest.testmod(schedule).failed == 0
+
+
+def test_custom_schedule_docstring_examples():
+    import doctest
+    assert doctest.testmod(custom_schedule).failed == 0

@@ -21,25 +21,20 @@ weight gradient, so the input gradient can travel upstream without waiting for W
 includes the re-computation of the forward when re-materialization is enabled, so it needs no
 separate action.
 
-Text form of the per-device orders (`Schedule.format_orders`, `parse_orders`,
-`CustomSchedule`): one line per device, ``device <d>: <action> <action> ...``. An action is
-``<cell><phase><micro-batch>``, e.g. ``2F1`` is the forward of cell 2 on micro-batch 1 and
-``0W3`` the weight gradient of cell 0 on micro-batch 3 (the cell first, as
+Text form of the per-device orders (`Schedule.format_orders`; `custom_schedule` reads it back
+and builds a schedule from it): one line per device, ``device <d>: <action> <action> ...``. An
+action is ``<cell><phase><micro-batch>``, e.g. ``2F1`` is the forward of cell 2 on micro-batch 1
+and ``0W3`` the weight gradient of cell 0 on micro-batch 3 (the cell first, as
 torch.distributed.pipelining writes stage indices). On a device that holds one cell the cell
-may be left out: ``F1`` is the forward of that device's cell. For example, 1F1B on two cells
-with two micro-batches::
-
-    device 0: F0 F1 B0 B1
-    device 1: F0 B0 F1 B1
+may be left out: ``F1`` is the forward of that device's cell.
 
 Example:
     >>> sched = make_schedule('zero_bubble', 2, 2)
     >>> print(sched.format_orders())
     device 0: F0 F1 B0 W0 B1 W1
     device 1: F0 B0 F1 B1 W0 W1
-    >>> custom = CustomSchedule('device 0: F0 B0 W0\\ndevice 1: F0 B0 W0')
-    >>> custom.num_ticks()
-    5
+    >>> sched.num_ticks()  # Cell 0 waits for B0 of cell 1 once: 6 actions + 1 idle tick.
+    7
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ import abc
 import dataclasses
 import enum
 import operator
-import re
 from collections.abc import Sequence
 
 
@@ -385,7 +379,8 @@ class Schedule(abc.ABC):
     def format_orders(self) -> str:
         """The per-device orders as text, one line per device (see the module docstring).
 
-        `parse_orders` reads it back; `CustomSchedule` builds a schedule from it.
+        `custom_schedule.parse_orders` reads it back; `custom_schedule.CustomSchedule`
+        builds a schedule from it.
         """
         self._check_device(0)
         return '\n'.join(self._format_device(d, self.device_order(d))
@@ -563,155 +558,6 @@ class InterleavedSchedule(Schedule):
             order.append(action(i, Phase.BACKWARD))
         order.extend(action(i, Phase.BACKWARD) for i in range(total - warmup, total))
         return order
-
-
-_LINE = re.compile(r'^device\s+(?P<device>\d+)\s*:(?P<actions>.*)$')
-_TOKEN = re.compile(r'^(?P<cell>\d+)?(?P<phase>[FBW])(?P<t>\d+)$')
-
-
-def _parse(text: str, device_of_cell: Sequence[int] | None
-           ) -> tuple[list[list[Action]], tuple[int, ...], list[str]]:
-    """(orders, each cell's device, one line per syntax problem) of the text form."""
-    problems: list[str] = []
-    raw: dict[int, list[tuple[int | None, Phase, int, str]]] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split('#', 1)[0].strip()
-        if not line:
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            problems.append(f'line {number}: expected "device <d>: <actions>", got {line!r}')
-            continue
-        d = int(m.group('device'))
-        if d in raw:
-            problems.append(f'line {number}: device {d} is listed twice')
-            continue
-        raw[d] = []
-        for token in m.group('actions').split():
-            t = _TOKEN.match(token)
-            if t is None:
-                problems.append(
-                    f'line {number}: cannot read {token!r}; write <cell><F|B|W><micro-batch> '
-                    'such as 0F3, or <F|B|W><micro-batch> such as F3 on a device holding '
-                    'one cell')
-                continue
-            cell = None if t.group('cell') is None else int(t.group('cell'))
-            raw[d].append((cell, Phase(t.group('phase')), int(t.group('t')), token))
-    num_devices = len(raw)
-    if raw and sorted(raw) != list(range(num_devices)):
-        absent = sorted(set(range(max(raw) + 1)) - set(raw))
-        problems.append(f'devices must be numbered 0..{num_devices - 1} with one line each; '
-                        f'device(s) {", ".join(map(str, absent))} have no line')
-    if not raw and not problems:
-        problems.append('no device lines: write one "device <d>: <actions>" line per device')
-    if device_of_cell is None:
-        listed = max(raw, default=0) + 1
-        cells = [c for entries in raw.values() for c, *_ in entries if c is not None]
-        num_cells = max([listed] + [c + 1 for c in cells])
-        placement = tuple(k % listed for k in range(num_cells))
-    else:
-        placement = tuple(operator.index(d) for d in device_of_cell)
-    orders: list[list[Action]] = []
-    for d in range(max(raw, default=-1) + 1):
-        order = []
-        on_device = [k for k, dev in enumerate(placement) if dev == d]
-        for cell, phase, t, token in raw.get(d, []):
-            if cell is None:
-                if len(on_device) != 1:
-                    held = ', '.join(map(str, on_device)) or 'none'
-                    problems.append(f'device {d}: {token!r} does not say its cell and device '
-                                    f'{d} holds cells {held}; write it as <cell>{token}')
-                    continue
-                cell = on_device[0]
-            order.append(Action(phase, cell, t))
-        orders.append(order)
-    return orders, placement, problems
-
-
-def parse_orders(text: str, device_of_cell: Sequence[int] | None = None) -> list[list[Action]]:
-    """The per-device action lists of the text form (see the module docstring).
-
-    Args:
-      text: one ``device <d>: <actions>`` line per device; blank lines and ``#`` comments
-        are skipped.
-      device_of_cell: device_of_cell[k] is cell k's device. Default: cell k on device
-        k mod D (D devices listed), which is one cell per device when no action names a
-        cell beyond D-1, and the interleaved placement otherwise.
-
-    Returns:
-      orders[d]: device d's actions in order.
-
-    Raises ValueError with one line per problem.
-
-    >>> parse_orders('device 0: F0 B0\\ndevice 1: F0 B0')[1]
-    [Action(phase=<Phase.FORWARD: 'F'>, cell=1, micro_batch=0), \
-Action(phase=<Phase.BACKWARD: 'B'>, cell=1, micro_batch=0)]
-    """
-    orders, _, problems = _parse(text, device_of_cell)
-    if problems:
-        raise ValueError('\n'.join([f'parse_orders: {len(problems)} problem(s):'] + problems))
-    return orders
-
-
-class CustomSchedule(Schedule):
-    """A schedule written by hand as per-device orders, checked when it is built.
-
-    Args:
-      orders: the text form (`parse_orders`), or orders[d] = device d's list of Actions.
-      device_of_cell: device_of_cell[k] is cell k's device; default k mod D.
-      num_micro_batches: T; default one more than the largest micro-batch named.
-      name: what charts and summaries call it.
-
-    The schedule splits the backward (`splits_backward`) if any action is a W. Problems
-    (an action missing, repeated, or on a device its cell is not on; a deadlock) raise one
-    ValueError with one line per problem; a deadlock adds the orders with the stuck actions
-    marked '<-- error here'.
-
-    Example:
-        >>> CustomSchedule('device 0: F0 F1 B0 B1\\ndevice 1: F0 B0 F1 B1').bubble_fraction()
-        0.3333333333333333
-    """
-
-    def __init__(self, orders: str | Sequence[Sequence[Action]],
-                 device_of_cell: Sequence[int] | None = None,
-                 num_micro_batches: int | None = None, name: str = 'custom'):
-        if isinstance(orders, str):
-            parsed, placement, problems = _parse(orders, device_of_cell)
-            if problems:
-                raise ValueError('\n'.join(
-                    [f'CustomSchedule: {len(problems)} problem(s) in the orders:'] + problems))
-        else:
-            parsed = [list(order) for order in orders]
-            if device_of_cell is None:
-                cells = [a.cell for order in parsed for a in order if isinstance(a, Action)]
-                num_cells = max([len(parsed)] + [c + 1 for c in cells])
-                placement = tuple(k % max(len(parsed), 1) for k in range(num_cells))
-            else:
-                placement = tuple(operator.index(d) for d in device_of_cell)
-        actions = [a for order in parsed for a in order if isinstance(a, Action)]
-        if num_micro_batches is None:
-            num_micro_batches = 1 + max((a.micro_batch for a in actions), default=0)
-        self.name = name
-        self.splits_backward = any(a.phase is Phase.WEIGHT for a in actions)
-        self._orders = parsed
-        self._placement = placement
-        super().__init__(max(len(placement), 1), num_micro_batches, max(len(parsed), 1))
-        bad = [d for d in placement if not 0 <= d < self.num_devices]
-        if bad:
-            raise ValueError(f'device_of_cell names device {bad[0]}, but the orders list '
-                             f'devices 0..{self.num_devices - 1}')
-        self.validate()
-
-    def _label(self) -> str:
-        return f'CustomSchedule {self.name!r}'
-
-    def device_of_cell(self, cell: int) -> int:
-        self._check_cell(cell)
-        return self._placement[cell]
-
-    def device_order(self, device: int) -> list[Action]:
-        self._check_device(device)
-        return list(self._orders[device]) if device < len(self._orders) else []
 
 
 SCHEDULES: dict[str, type[Schedule]] = {
