@@ -49,6 +49,30 @@ class RematPlanTest(tf.test.TestCase):
         self.assertEqual(remat.recomputed_actions(sched, "except_last"),
                          {schedule.Action(schedule.Phase.BACKWARD, k, 0) for k in range(2)})
 
+    def test_zero_bubble_plans_like_1f1b(self):
+        # K=3, T=4 ZB-H1 (schedule_test writes the orders out): cell 2: F0 B0 F1 B1 F2 B2 W0 F3
+        # B3 W1 W2 W3, cell 1: F0 F1 B0 F2 B1 W0 ..., cell 0: F0 F1 F2 B0 W0 ... Only cell 2
+        # runs each B right after its F.
+        sched = schedule.make_schedule("zero_bubble", 3, 4)
+        self.assertEqual(remat.remat_plan(sched, "except_last"),
+                         {(2, 0), (2, 1), (2, 2), (2, 3)})
+        # Re-computation belongs to B: no W action is ever re-computed.
+        recomputed = remat.recomputed_actions(sched, "always")
+        self.assertEqual(recomputed, {schedule.Action(schedule.Phase.BACKWARD, k, t)
+                                      for k in range(3) for t in range(4)})
+
+    def test_interleaved_plans_by_device_order(self):
+        # One device, two cells, T=1: 0F0 1F0 1B0 0B0. Cell 1's backward follows its forward
+        # on the device; cell 0's does not (cell 1 ran in between), though it does in cell
+        # 0's own order (0F0 0B0).
+        sched = schedule.make_schedule("interleaved", 2, 1, virtual_stages=2)
+        self.assertEqual(remat.remat_plan(sched, "except_last"), {(1, 0)})
+        # K=2, v=2, T=4 (Megatron's order in schedule_test): device 1 runs 3F_t 3B_t back to
+        # back for every t; device 0 never runs a backward right after its forward.
+        sched = schedule.make_schedule("interleaved", 4, 4, virtual_stages=2)
+        self.assertEqual(remat.remat_plan(sched, "except_last"),
+                         {(3, 0), (3, 1), (3, 2), (3, 3)})
+
     def test_unknown_mode_names_the_parameter(self):
         with self.assertRaisesRegex(ValueError, r"remat='sometimes'; use one of"):
             remat.remat_plan(schedule.make_schedule("gpipe", 1, 1), "sometimes")
@@ -67,6 +91,32 @@ class OpNamesTest(tf.test.TestCase):
             self.assertEqual(runs[(k, "fprop_gradient")], [1])  # Kept: TF's gradient ...
             self.assertEqual(runs[(k, "accumulate")], [1])  # ... then the sum.
             self.assertEqual(runs[(k, "bprop")], [0])  # Re-computed.
+
+    def test_function_runs_of_a_split_backward_by_hand(self):
+        # K=2, T=2 zero-bubble: cell 0 F0 F1 B0 W0 B1 W1, cell 1 F0 B0 F1 B1 W0 W1. except_last
+        # keeps cell 1's micro-batches (each B right after its F), re-computes cell 0's.
+        sched = schedule.make_schedule("zero_bubble", 2, 2)
+        runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
+        self.assertEqual(runs, {
+            (0, "fprop"): [0, 1], (0, "bprop"): [0, 1], (0, "wgrad"): [0, 1],
+            (1, "fprop"): [0, 1], (1, "fprop_gradient"): [0, 1], (1, "wgrad"): [0, 1],
+        })  # No "accumulate": each W adds its own weight gradient to the sums.
+
+    def test_weight_gradient_names(self):
+        cases = {
+            "cell_2/wgrad_mb_3/MatMul": (2, "W", 3, "wgrad"),
+            "cell_1/wgrad/dense/MatMul": (1, "W", None, "wgrad"),
+            "gradient_tape/cell_1/wgrad/dense/MatMul": (1, "W", None, "wgrad"),
+        }
+        for name, want in cases.items():
+            parsed = op_names.parse(name)
+            self.assertEqual((parsed.cell, parsed.phase, parsed.micro_batch, parsed.family),
+                             want, msg=name)
+        self.assertEqual("cell_2/wgrad_mb_7", op_names.action_scope("W", 2, 7))
+        parsed = op_names.parse(op_names.function_scope("wgrad", 4, replica=1) + "/MatMul")
+        self.assertEqual((parsed.cell, parsed.phase, parsed.replica), (4, "W", 1))
+        with self.assertRaisesRegex(ValueError, "phase='R'"):
+            op_names.action_scope("R", 0, 0)
 
     def test_parse(self):
         cases = {

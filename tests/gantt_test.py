@@ -134,6 +134,27 @@ class GanttFigureTest(unittest.TestCase):
             self.assertAlmostEqual(end_ms - start_ms, rect.get_width())
         self.assertEqual(_axes(fig, "measured").get_xlim(), ax.get_xlim())
 
+    def test_predicted_weight_gradients_get_their_own_colour_and_legend_entry(self):
+        # The measured step has no W; the zero-bubble prediction does. Mean durations as
+        # above (F 10, B 20, R 5 ms on device 0) and W 10 ms: device 1 runs F0 10-20, B0
+        # 20-40, F1 40-50, B1 50-70, W0 70-80, W1 80-90 (its order F0 B0 F1 B1 W0 W1).
+        sched = schedule.make_schedule("zero_bubble", 2, 2)
+        durations = ideal_timeline.mean_busy_ns(BOXES)
+        durations.update({(0, "W"): 10 * MS, (1, "W"): 10 * MS})
+        predicted = ideal_timeline.predict_boxes(sched, durations)
+        fig = gantt.gantt_figure(BOXES, INFO, predicted=predicted)
+        ax = _axes(fig, "predicted")
+        for mb, start_ms in ((0, 70), (1, 80)):
+            rect = _rect(ax, f"W cell 1 mb {mb}")
+            self.assertAlmostEqual(start_ms, rect.get_x())
+            self.assertAlmostEqual(10, rect.get_width())
+        w_colour = _rect(ax, "W cell 1 mb 0").get_facecolor()[:3]
+        for phase in ("F", "B"):
+            self.assertNotEqual(w_colour, _rect(ax, f"{phase} cell 1 mb 0").get_facecolor()[:3])
+        # The legend has the measured phases (R included) and the predicted W.
+        self.assertEqual(["forward", "recompute", "backward", "weight gradient", "idle"],
+                         _phase_legend(fig))
+
     def test_height_grows_with_k_and_large_pipelines_render(self):
         heights = {}
         for K, T in ((2, 8), (8, 32)):

@@ -34,6 +34,18 @@ class PredictTest(unittest.TestCase):
                           (1, "F", 0, 1, 3), (1, "F", 1, 3, 5), (1, "B", 1, 5, 9),
                           (1, "B", 0, 9, 13)], got)
 
+    def test_weight_gradient_boxes_of_a_split_backward(self):
+        # K=2, T=1 zero-bubble (each cell F0 B0 W0). F 1, B 2, W 1 on both cells, cell 0
+        # re-computes (R 1). Cell 1: F 1-2, B 2-4, W 4-5. Cell 0: F 0-1, R 4-5, B 5-7, W 7-8.
+        durations = {(k, p): d for k in range(2) for p, d in (("F", 1), ("B", 2), ("W", 1))}
+        durations[(0, "R")] = 1
+        boxes = ideal_timeline.predict_boxes(schedule.make_schedule("zero_bubble", 2, 1),
+                                             durations, recomputed={(0, 0)})
+        got = [(b.cell, b.phase, b.micro_batch, b.start_ns, b.end_ns) for b in boxes]
+        self.assertEqual([(0, "F", 0, 0, 1), (0, "R", 0, 4, 5), (0, "B", 0, 5, 7),
+                          (0, "W", 0, 7, 8), (1, "F", 0, 1, 2), (1, "B", 0, 2, 4),
+                          (1, "W", 0, 4, 5)], got)
+
     def test_mean_busy_per_device_and_phase(self):
         box = timeline.Box
         boxes = [box(0, "F", 0, 0, 10, 6, 1), box(0, "F", 1, 10, 20, 10, 1),

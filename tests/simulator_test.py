@@ -122,6 +122,61 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "3 layer costs for a partition of 4 layers"):
             simulator.predict(part, [1.0, 1.0, 1.0], 4)
 
+    def test_split_backward_by_hand(self):
+        # K=2, T=1 zero-bubble: each cell runs F0 B0 W0. forward 1, backward 3 of which
+        # weight 1, so B takes 2 and W 1. Cell 0: F 0-1; cell 1: F 1-2, B 2-4, W 4-5;
+        # cell 0: B 4-6, W 6-7.
+        zb = schedule.make_schedule("zero_bubble", 2, 1)
+        costs = simulator.PhaseCosts((1.0, 1.0), (3.0, 3.0), weight=(1.0, 1.0))
+        step = simulator.simulate(zb, costs, remat="never")
+        w, b = Phase.WEIGHT, Phase.BACKWARD
+        self.assertEqual({Action(b, 1, 0): 2.0, Action(w, 1, 0): 4.0, Action(b, 0, 0): 4.0,
+                          Action(w, 0, 0): 6.0},
+                         {a: step.start[a] for a in step.start if a.phase is not Phase.FORWARD})
+        self.assertAllClose(7.0, step.step_time)
+        # Re-computation belongs to B: each B takes one more forward (B 2-5, W 5-6, B 5-8,
+        # W 8-9), and W stays 1.
+        always = simulator.simulate(zb, costs, remat="always")
+        self.assertAllClose(9.0, always.step_time)
+        self.assertEqual({Action(b, 0, 0), Action(b, 1, 0)}, set(always.recomputed))
+        self.assertAllClose((1.0, 1.0), always.recompute_time)
+        self.assertAllClose(1.0, always.end[Action(w, 0, 0)] - always.start[Action(w, 0, 0)])
+        # A schedule that does not split runs the whole backward (3) as B: 0-1, 1-2, 2-5, 5-8.
+        ofob = simulator.simulate(schedule.make_schedule("1f1b", 2, 1), costs, remat="never")
+        self.assertAllClose(8.0, ofob.step_time)
+
+    def test_weight_defaults_to_half_the_backward(self):
+        costs = simulator.PhaseCosts.uniform(3, 1.0, 4.0)
+        self.assertEqual((2.0, 2.0, 2.0), costs.weight_costs)
+        with self.assertRaisesRegex(ValueError, "one weight cost per cell"):
+            simulator.PhaseCosts((1.0, 1.0), (1.0, 1.0), weight=(0.5,))
+        with self.assertRaisesRegex(ValueError, "must be >= 0 and <= backward"):
+            simulator.PhaseCosts((1.0,), (1.0,), weight=(2.0,))
+
+    def test_interleaved_counts_devices_not_cells(self):
+        # One device holding both cells: no crossing pays the transfer. T = K = 1: Megatron
+        # runs 0F0 1F0 1B0 0B0 back to back: 2 x 1 + 2 x 2.
+        sched = schedule.make_schedule("interleaved", 2, 1, virtual_stages=2)
+        step = simulator.simulate(sched, simulator.PhaseCosts.uniform(2, 1.0, 2.0, 0.5),
+                                  remat="never")
+        self.assertAllClose(6.0, step.step_time)
+        self.assertEqual(1, len(step.breakdown().device_busy))
+        # K=2 devices, v=2, T=2, unit times: the unit-time chart has 10 ticks and every
+        # device idles 2 of them (schedule_test's to_text case): bubble 2/10.
+        sched = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)
+        step = simulator.simulate(sched, simulator.PhaseCosts.uniform(4, 1.0, 1.0), "never")
+        self.assertAllClose(10.0, step.step_time)
+        self.assertAllClose(0.2, step.breakdown().bubble)
+        self.assertAllClose([8.0, 8.0], [step.device_busy_time(d) for d in range(2)])
+        self.assertEqual(sched.device_order(1), [a for a, _, _ in step.device_timeline(1)])
+
+    def test_prediction_with_virtual_stages(self):
+        part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
+        prediction = simulator.predict(part, [1.0] * 4, 4, "interleaved", "never",
+                                       virtual_stages=2)
+        self.assertEqual(2, prediction.step.schedule.num_devices)
+        self.assertIn("K=4 on 2 devices", prediction.summary())
+
     def test_docstring_example(self):
         self.assertEqual(0, doctest.testmod(simulator).failed)
 

@@ -6,7 +6,8 @@ One figure, top to bottom:
     spanning its first op start to its last op end, drawn light where no op of it ran and solid
     where its ops ran; grey where the device is idle; the micro-batch number inside the box when
     it fits (turned upright in narrow boxes; where boxes are too narrow, every n-th number);
-  - optionally the simulator's predicted timeline (`ideal_timeline`) on the same time axis: idle
+  - optionally the simulator's predicted timeline (`ideal_timeline`) on the same time axis, W
+    boxes (weight gradients of a split backward) in their own colour: idle
     time the prediction also has comes from the schedule (its bubble) and the devices' unequal
     work; the rest is the runtime's;
   - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
@@ -29,7 +30,7 @@ from matplotlib.patches import Patch
 
 from lingvo_lite.pipeline import timeline
 
-WEIGHT_GRADIENT = "W"  # Drawn once the executor splits weight gradients from the backward.
+WEIGHT_GRADIENT = timeline.WEIGHT  # W: the weight gradient of a split backward (zero-bubble).
 PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
                timeline.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}
 PHASE_COLORS = {timeline.FORWARD: "#3b78e7", timeline.RECOMPUTE: "#2e9e4f",
@@ -238,7 +239,10 @@ def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
     ax = by_label["measured"]
     _draw_timeline(ax, measured, num_cells, t0_ns, span_ms)
     ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
-    handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p]) for p in phases_present(measured)]
+    # The legend names the phases of both panels: a prediction of a split-backward schedule
+    # has W boxes even where the measured step has none.
+    handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p])
+               for p in phases_present(list(measured) + list(predicted or []))]
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
     if predicted:
         ax = by_label["predicted"]

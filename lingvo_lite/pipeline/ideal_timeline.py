@@ -9,7 +9,9 @@ the rest is the runtime's.
 
 A backward action whose micro-batch was re-computed on that device in the measured step takes
 the mean re-computation time too, and is drawn as a re-computation box followed by the
-backward box, as the executor runs them.
+backward box, as the executor runs them. In a schedule that splits the backward (zero-bubble),
+B is the input gradient and W the weight gradient: each takes its own phase's duration
+((cell, 'B') and (cell, 'W')) and gets its own box; re-computation stays with B.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int,
 
     Args:
       sched: the schedule (its cell orders and dependencies are replayed).
-      durations_ns: (cell, phase letter) -> duration; a missing entry counts as 0.
+      durations_ns: (cell, phase letter F, B, W or R) -> duration; a missing entry counts
+        as 0.
       recomputed: (cell, micro_batch) pairs whose backward starts with a re-computation.
 
     Returns:

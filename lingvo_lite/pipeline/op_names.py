@@ -4,11 +4,14 @@ The executor emits every action as calls of its cell's functions, each traced on
 once per micro-batch. Two kinds of names come out of that:
 
 - call sites in the step's graph carry the action: `cell_{k}/fprop_mb_{t}/...` for the forward
-  F(k, t), `cell_{k}/bprop_mb_{t}/...` for the backward B(k, t);
+  F(k, t), `cell_{k}/bprop_mb_{t}/...` for the backward B(k, t), `cell_{k}/wgrad_mb_{t}/...`
+  for the weight gradient W(k, t) of a schedule that splits the backward (zero-bubble);
 - ops inside a cell's functions carry the function but not the micro-batch (the body is shared
   by all T calls): `cell_{k}/fprop/...` (the forward), `cell_{k}/bprop/recompute/...` and
   `cell_{k}/bprop/...` (the re-computed forward and the backward of a re-materialised action),
-  `cell_{k}/accumulate/...` (the weight-gradient sums). TensorFlow names the gradient of a
+  `cell_{k}/accumulate/...` (the weight-gradient sums), `cell_{k}/wgrad/...` (the weight
+  gradient of a split backward, added to the sums in the same function). TensorFlow names the
+  gradient of a
   function it differentiates `gradients/<forward op>_grad/...` and tape gradients traced inside a
   function `gradient_tape/<forward op>/...`.
 
@@ -28,22 +31,25 @@ import re
 
 from lingvo_lite.pipeline.schedule import Phase, Schedule
 
-FORWARD, RECOMPUTE, BACKWARD = "F", "R", "B"
+FORWARD, RECOMPUTE, BACKWARD, WEIGHT = "F", "R", "B", "W"
 RECOMPUTE_SCOPE = "recompute"
 # Function families: which calls a function-body op belongs to.
 FPROP, BPROP, ACCUMULATE = "fprop", "bprop", "accumulate"
+WGRAD = "wgrad"  # The weight gradient W(k, t) of a split backward, summed into the cell's.
 FPROP_GRADIENT = "fprop_gradient"  # TensorFlow's gradient of the forward function.
-FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT)
+FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT, WGRAD)
+_FUNCTIONS = (FPROP, BPROP, ACCUMULATE, WGRAD)
+_CALL_KIND = {FORWARD: FPROP, BACKWARD: BPROP, WEIGHT: WGRAD}
 
 _NAME = re.compile(
     r"^(?P<grad>gradient_tape/|gradients/)?(?:.*?/)?"
-    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate)(?:_mb_(?P<t>\d+))?/(?P<rest>.*)$")
+    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate|wgrad)(?:_mb_(?P<t>\d+))?/(?P<rest>.*)$")
 _REPLICA = re.compile(r"(?:^|/)replica_(?P<replica>\d+)/cell_\d+/")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedName:
-    """What an op name says: cell, phase (F, R or B), micro-batch (None inside a function)."""
+    """What an op name says: cell, phase (F, R, B or W), micro-batch (None inside a function)."""
 
     cell: int
     phase: str
@@ -57,15 +63,16 @@ def _replica_prefix(replica: int | None) -> str:
 
 
 def action_scope(phase: str, cell: int, micro_batch: int) -> str:
-    """The name scope of the call site of action `phase`(cell, micro_batch), phase F or B."""
-    kind = FPROP if phase == FORWARD else BPROP
-    return f"cell_{cell}/{kind}_mb_{micro_batch}"
+    """The name scope of the call site of action `phase`(cell, micro_batch), phase F, B or W."""
+    if phase not in _CALL_KIND:
+        raise ValueError(f"phase={phase!r}: actions are one of {tuple(_CALL_KIND)}")
+    return f"cell_{cell}/{_CALL_KIND[phase]}_mb_{micro_batch}"
 
 
 def function_scope(family: str, cell: int, replica: int | None = None) -> str:
     """The name scope opened inside cell `cell`'s function of `family` (fprop, bprop, ...)."""
-    if family not in (FPROP, BPROP, ACCUMULATE):
-        raise ValueError(f"family={family!r}: functions are one of {FPROP, BPROP, ACCUMULATE}")
+    if family not in _FUNCTIONS:
+        raise ValueError(f"family={family!r}: functions are one of {_FUNCTIONS}")
     return f"{_replica_prefix(replica)}cell_{cell}/{family}"
 
 
@@ -81,6 +88,8 @@ def parse(name: str) -> ParsedName | None:
     kind, rest, grad = m.group("kind"), m.group("rest"), m.group("grad")
     if kind == ACCUMULATE:
         return ParsedName(cell, BACKWARD, t, ACCUMULATE, replica)
+    if kind == WGRAD:
+        return ParsedName(cell, WEIGHT, t, WGRAD, replica)
     if kind == FPROP:
         if grad:
             return ParsedName(cell, BACKWARD, t, FPROP_GRADIENT, replica)
@@ -98,6 +107,13 @@ def function_runs(sched: Schedule,
     its schedule order, so the j-th run of a function's ops on cell k belongs to the j-th entry
     here: this is how a profiler trace, whose function-body ops carry no micro-batch, is mapped
     back to actions.
+
+    The families each action calls:
+      F(k, t): fprop.
+      B(k, t), whole backward: kept -> fprop_gradient then accumulate; else bprop.
+      B(k, t), input gradient of a split backward: kept -> fprop_gradient; else bprop (the
+        re-computation stays in B).
+      W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
     """
     runs: dict[tuple[int, str], list[int]] = {}
     for k in range(sched.num_cells):
@@ -105,8 +121,11 @@ def function_runs(sched: Schedule,
             t = action.micro_batch
             if action.phase is Phase.FORWARD:
                 families = [FPROP]
+            elif action.phase is Phase.WEIGHT:
+                families = [WGRAD]
             elif (k, t) in keep:
-                families = [FPROP_GRADIENT, ACCUMULATE]
+                families = [FPROP_GRADIENT] if sched.splits_backward else [FPROP_GRADIENT,
+                                                                           ACCUMULATE]
             else:
                 families = [BPROP]
             for family in families:

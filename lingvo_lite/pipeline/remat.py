@@ -26,17 +26,21 @@ def check_remat_mode(mode: str) -> None:
 def remat_plan(sched: Schedule, mode: str) -> frozenset[tuple[int, int]]:
     """The (cell, micro_batch) pairs whose forward keeps its activations for the backward.
 
-    'never': all of them; 'always': none; 'except_last': those whose backward directly follows
-    their forward on the cell (in GPipe's fill-drain, the last micro-batch of every cell), where
-    recomputing would be pure waste: the activations are still there.
+    'never': all of them; 'always': none; 'except_last': those whose backward B directly
+    follows their forward on the device (in GPipe's fill-drain, the last micro-batch of every
+    cell), where recomputing would be pure waste: the activations are still there. On a
+    device that holds several cells (interleaved) "directly" means with no action of any of
+    its cells in between. In a schedule that splits the backward, the re-computation belongs
+    to B (input gradient); W uses what B computed.
     """
     check_remat_mode(mode)
     keep = set()
-    for k in range(sched.num_cells):
-        order = sched.cell_order(k)
+    for d in range(sched.num_devices):
+        order = sched.device_order(d)
         for i, action in enumerate(order):
             if action.phase is not Phase.FORWARD:
                 continue
+            k = action.cell
             if mode == "never" or (
                     mode == "except_last" and i + 1 < len(order)
                     and order[i + 1] == Action(Phase.BACKWARD, k, action.micro_batch)):
@@ -45,7 +49,7 @@ def remat_plan(sched: Schedule, mode: str) -> frozenset[tuple[int, int]]:
 
 
 def recomputed_actions(sched: Schedule, mode: str) -> set[Action]:
-    """The backward actions that first re-run their forward under `mode`."""
+    """The backward actions (B, never W) that first re-run their forward under `mode`."""
     keep = remat_plan(sched, mode)
     return {Action(Phase.BACKWARD, k, t) for k in range(sched.num_cells)
             for t in range(sched.num_micro_batches) if (k, t) not in keep}

@@ -3,10 +3,12 @@
 A `Schedule` fixes the order of each device's actions; this module replays that order with
 real durations. Every device runs its actions one after the other; an action starts once its
 device has finished the previous one and every action it depends on has finished (plus a
-transfer time when the dependency ran on another cell). The result is when each action starts
-and ends, the step time, and GPipe's Figure 4 breakdown (compute, recompute, load imbalance,
-bubble) as `timeline.Breakdown` defines it for measured steps, so prediction and measurement
-read the same way.
+transfer time when the dependency ran on another device). In a schedule that splits the
+backward (zero-bubble), B takes the input-gradient share of the backward and W the weight
+gradient share; re-computation, when re-materialising, is part of B. The result is when each
+action starts and ends, the step time, and GPipe's Figure 4 breakdown (compute, recompute,
+load imbalance, bubble) as `timeline.Breakdown` defines it for measured steps, so prediction
+and measurement read the same way.
 
 It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
 micro-batches take seconds.
@@ -37,14 +39,19 @@ from lingvo_lite.pipeline.schedule import Action, Phase
 class PhaseCosts:
     """Seconds per micro-batch of each cell's phases, and of one boundary crossing.
 
-    `backward[k]` excludes re-computation; a recomputed backward also takes `forward[k]`
-    (the re-run forward). `transfer` is added between a dependency on another cell and the
-    action that needs it (activations forward, their gradient backward).
+    `backward[k]` is the whole backward (input and weight gradient) and excludes
+    re-computation; a recomputed backward also takes `forward[k]` (the re-run forward).
+    `weight[k]` is the weight-gradient share of `backward[k]` (default: half of it, as for a
+    matmul, whose input and weight gradients each cost one forward): a schedule that splits
+    the backward runs B for backward - weight and W for weight, so B + W is the old backward.
+    `transfer` is added between a dependency on another device and the action that needs it
+    (activations forward, their gradient backward).
     """
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     transfer: float = 0.0
+    weight: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.forward) != len(self.backward) or not self.forward:
@@ -52,6 +59,20 @@ class PhaseCosts:
                              f"{len(self.forward)} and {len(self.backward)}.")
         if min(self.forward + self.backward + (self.transfer,)) < 0:
             raise ValueError("PhaseCosts: durations must be >= 0.")
+        if self.weight is not None:
+            if len(self.weight) != len(self.backward):
+                raise ValueError(f"PhaseCosts needs one weight cost per cell; got "
+                                 f"{len(self.weight)} for {len(self.backward)} cells.")
+            if any(not 0 <= w <= b for w, b in zip(self.weight, self.backward)):
+                raise ValueError("PhaseCosts: weight[k] is the weight-gradient share of "
+                                 "backward[k]; it must be >= 0 and <= backward[k].")
+
+    @property
+    def weight_costs(self) -> tuple[float, ...]:
+        """W's duration per cell: `weight`, or half of the backward if not given."""
+        if self.weight is None:
+            return tuple(b / 2 for b in self.backward)
+        return self.weight
 
     @property
     def num_cells(self) -> int:
@@ -59,9 +80,10 @@ class PhaseCosts:
 
     @classmethod
     def uniform(cls, num_cells: int, forward: float, backward: float,
-                transfer: float = 0.0) -> PhaseCosts:
+                transfer: float = 0.0, weight: float | None = None) -> PhaseCosts:
         """Every cell alike (a perfectly balanced partition)."""
-        return cls((forward,) * num_cells, (backward,) * num_cells, transfer)
+        return cls((forward,) * num_cells, (backward,) * num_cells, transfer,
+                   None if weight is None else (weight,) * num_cells)
 
     @classmethod
     def from_cell_costs(cls, cell_forward: Sequence[float], backward_ratio: float = 2.0,
@@ -93,6 +115,10 @@ class SimulatedStep:
         return self.schedule.num_cells
 
     @property
+    def num_devices(self) -> int:
+        return self.schedule.num_devices
+
+    @property
     def pipeline_time(self) -> float:
         """First action start to last action end."""
         return max(self.end.values()) - min(self.start.values())
@@ -102,18 +128,23 @@ class SimulatedStep:
         return self.setup_time + self.pipeline_time + self.update_time
 
     def busy_time(self, cell: int) -> float:
+        """Time cell `cell`'s actions ran."""
         return sum(self.end[a] - self.start[a] for a in self.schedule.cell_order(cell))
 
-    def device_timeline(self, cell: int) -> list[tuple[Action, float, float]]:
-        """(action, start, end) of each action of `cell`, in its order."""
-        return [(a, self.start[a], self.end[a]) for a in self.schedule.cell_order(cell)]
+    def device_busy_time(self, device: int) -> float:
+        """Time device `device` ran actions of any of its cells."""
+        return sum(self.end[a] - self.start[a] for a in self.schedule.device_order(device))
+
+    def device_timeline(self, device: int) -> list[tuple[Action, float, float]]:
+        """(action, start, end) of each action of `device`, in its order."""
+        return [(a, self.start[a], self.end[a]) for a in self.schedule.device_order(device)]
 
     def breakdown(self) -> timeline.Breakdown:
-        """GPipe's Figure 4 split of the step (same definitions as a measured step's)."""
-        k = self.num_cells
+        """GPipe's Figure 4 split of the step, per device (as a measured step's is defined)."""
+        k = self.num_devices
         step = max(self.step_time, 1e-30)
         pipe = max(self.pipeline_time, 1e-30)
-        busy = [self.busy_time(c) for c in range(k)]
+        busy = [self.device_busy_time(d) for d in range(k)]
         mean_busy, mean_rec = sum(busy) / k, sum(self.recompute_time) / k
         return timeline.Breakdown(
             step_ns=int(round(self.step_time * 1e9)),
@@ -134,7 +165,7 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
     """Replays `sched` with the given durations.
 
     Args:
-      sched: the schedule (its per-cell orders are what each device runs).
+      sched: the schedule (its per-device orders are what each device runs).
       costs: `PhaseCosts`, or a function giving any action's duration in seconds (then
         re-materialisation is whatever that function includes, and `remat` only labels
         the recompute share).
@@ -150,10 +181,16 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
                              f"{sched.num_cells}.")
         transfer = costs.transfer if transfer is None else transfer
 
+        weight = costs.weight_costs
+
         def duration(a: Action) -> float:
             if a.phase is Phase.FORWARD:
                 return costs.forward[a.cell]
-            return costs.backward[a.cell] + (costs.forward[a.cell] if a in recomputed else 0.0)
+            if a.phase is Phase.WEIGHT:
+                return weight[a.cell]
+            backward = costs.backward[a.cell] - (weight[a.cell] if sched.splits_backward
+                                                 else 0.0)
+            return backward + (costs.forward[a.cell] if a in recomputed else 0.0)
 
         def recompute_of(a: Action) -> float:
             return costs.forward[a.cell] if a in recomputed else 0.0
@@ -166,18 +203,20 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
 
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
-    device_free = [setup_time] * sched.num_cells
-    recompute_time = [0.0] * sched.num_cells
-    # The unit-time order respects every dependency and each cell's order, so each
+    device_free = [setup_time] * sched.num_devices
+    recompute_time = [0.0] * sched.num_devices
+    device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
+    # The unit-time order respects every dependency and each device's order, so each
     # action's predecessors are final when it is reached.
     for a in sched.actions():
-        ready = device_free[a.cell]
+        dev = device[a.cell]
+        ready = device_free[dev]
         for d in schedule_lib.dependencies(a, sched.num_cells):
-            ready = max(ready, end[d] + (transfer if d.cell != a.cell else 0.0))
+            ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
         start[a] = ready
         end[a] = ready + duration(a)
-        device_free[a.cell] = end[a]
-        recompute_time[a.cell] += recompute_of(a)
+        device_free[dev] = end[a]
+        recompute_time[dev] += recompute_of(a)
     return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
                          recomputed=recomputed, recompute_time=tuple(recompute_time),
                          setup_time=setup_time, update_time=update_time)
@@ -197,15 +236,18 @@ class Prediction:
     def summary(self) -> str:
         b = self.step.breakdown()
         sched = self.step.schedule
-        return (f"K={sched.num_cells}, T={sched.num_micro_batches}, {sched.name}, "
+        devices = ("" if sched.num_devices == sched.num_cells
+                   else f" on {sched.num_devices} devices")
+        return (f"K={sched.num_cells}{devices}, T={sched.num_micro_batches}, {sched.name}, "
                 f"remat={self.step.remat}: bubble {b.bubble:.1%}, load imbalance "
                 f"{b.load_imbalance:.1%}, recompute {b.recompute:.1%}; "
-                f"{self.speedup:.2f}x the one-device step (ideal {sched.num_cells}x)")
+                f"{self.speedup:.2f}x the one-device step (ideal {sched.num_devices}x)")
 
 
 def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
             num_micro_batches: int, schedule_name: str = "gpipe", remat: str = "except_last",
-            backward_ratio: float = 2.0, transfer: float = 0.0) -> Prediction:
+            backward_ratio: float = 2.0, transfer: float = 0.0,
+            virtual_stages: int = 1) -> Prediction:
     """The simulated step of `partition` with T micro-batches.
 
     Args:
@@ -216,6 +258,7 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
       schedule_name, remat: as in PipeliningLayer.
       backward_ratio: backward time / forward time (2 for matmul-dominated layers).
       transfer: time per boundary crossing, in the unit of `layer_costs`.
+      virtual_stages: cells per device of the interleaved schedule (`make_schedule`).
     """
     if len(layer_costs) != partition.num_layers:
         raise ValueError(f"predict got {len(layer_costs)} layer costs for a partition of "
@@ -223,6 +266,7 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
     cell_forward = [sum(layer_costs[a:b]) / num_micro_batches
                     for a, b in partition.cell_layer_ranges]
     costs = PhaseCosts.from_cell_costs(cell_forward, backward_ratio, transfer)
-    sched = schedule_lib.make_schedule(schedule_name, partition.num_cells, num_micro_batches)
+    sched = schedule_lib.make_schedule(schedule_name, partition.num_cells, num_micro_batches,
+                                       virtual_stages)
     step = simulate(sched, costs, remat=remat)
     return Prediction(step=step, one_device_time=(1.0 + backward_ratio) * sum(layer_costs))

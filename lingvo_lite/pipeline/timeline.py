@@ -33,7 +33,8 @@ from collections.abc import Iterable, Sequence
 from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
 
 FORWARD, RECOMPUTE, BACKWARD = op_names.FORWARD, op_names.RECOMPUTE, op_names.BACKWARD
-PHASES = (FORWARD, RECOMPUTE, BACKWARD)
+WEIGHT = op_names.WEIGHT  # The weight gradient of a split backward (zero-bubble).
+PHASES = (FORWARD, RECOMPUTE, BACKWARD, WEIGHT)
 STEP_TRACE_NAME = "profiled_step"
 _TRANSFER_OPS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Ops that do no work: a variable read under a cell's scope may run at the very start of the
@@ -54,7 +55,7 @@ class OpEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    """The ops of one action phase: F, R (re-computation) or B of micro-batch t on cell k."""
+    """The ops of one action phase: F, R (re-computation), B or W of micro-batch t on cell k."""
 
     cell: int
     phase: str
@@ -279,14 +280,14 @@ def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
 
 
 def cell_orders(boxes: Sequence[Box]) -> dict[int, list[tuple[str, int]]]:
-    """Per cell, its actions as (F|B, micro_batch) in the order they started.
+    """Per cell, its actions as (F|B|W, micro_batch) in the order they started.
 
     Re-computation belongs to its backward action (the schedule has no separate R action), so
     an action starts at its earliest R or B op.
     """
     starts: dict[tuple[int, str, int], int] = {}
     for b in boxes:
-        phase = FORWARD if b.phase == FORWARD else BACKWARD
+        phase = BACKWARD if b.phase == RECOMPUTE else b.phase
         key = (b.cell, phase, b.micro_batch)
         starts[key] = min(starts.get(key, b.start_ns), b.start_ns)
     orders: dict[int, list[tuple[str, int]]] = {}
