@@ -142,6 +142,23 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for ref_g, g in zip(self.ref_grads, grads):
             self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
 
+    @parameterized.product(
+        config=[("interleaved", 4, 2, 2), ("interleaved", 4, 2, 4), ("interleaved", 6, 3, 4),
+                ("interleaved", 6, 3, 8), ("zero_bubble", 2, 1, 1), ("zero_bubble", 3, 1, 4),
+                ("zero_bubble", 4, 1, 8)],
+        remat=["always", "except_last", "never"])
+    def test_interleaved_and_zero_bubble_give_the_same_gradients(self, config, remat):
+        # (schedule, K cells, v cells per device, T). Interleaved: T a multiple of K / v.
+        name, num_cells, virtual_stages, num_micro_batches = config
+        pipe = make_pipeline(mlp_layers(), num_cells, num_micro_batches, remat,
+                             schedule=name, virtual_stages=virtual_stages)
+        self.assertLen(set(pipe.devices), num_cells // virtual_stages)
+        loss, grads = pipeline_loss_and_grads(pipe, self.batch, 3, graph=False)
+        self.assertAllClose(self.ref_loss, loss, rtol=RTOL, atol=ATOL)
+        self.assertLen(grads, len(self.ref_grads))
+        for ref_g, g in zip(self.ref_grads, grads):
+            self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
+
     def test_dropout_is_active_and_matters(self):
         # Guards the matrix above against a vacuous pass: masks depend on the step seed.
         pipe = make_pipeline(mlp_layers(), 2, 4)

@@ -285,8 +285,9 @@ class CellFunctions:
     # -- backward ----------------------------------------------------------------------------
 
     def backward(self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
-                 example_offset: tf.Tensor, step_seed: CallInput,
-                 need_dx: bool) -> tuple[list[Any], list[Any]]:
+                 example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
+                 need_weight_grads: bool = True,
+                 family: str = op_names.BPROP) -> tuple[list[Any], list[Any]]:
         """Re-runs the forward on `x` under a tape and differentiates it with `dy`.
 
         Args:
@@ -299,18 +300,21 @@ class CellFunctions:
             dropout masks).
           need_dx: also return the gradient of every float leaf of x (cell 0 needs it only
             when the caller asked for input gradients).
+          need_weight_grads: add the weight gradients to `grad_sums` (False: the B of a
+            split backward, whose W comes later).
+          family: the function's name in op names: 'bprop', or 'wgrad' for a W action.
 
         Returns:
           (dx, new_grad_sums): dx per leaf of x (None for non-float leaves, [] if not
-          needed) and the sums plus this micro-batch's weight gradients.
+          needed) and the sums plus this micro-batch's weight gradients ([] if not needed).
         """
         ctx = _Context(bool(fprop_context.current().training), fprop_context.current().batch_dim,
                        False)
-        key = dataclasses.replace(ctx, collect_updates=need_dx)  # need_dx picks the variant.
+        key = (ctx, need_dx, need_weight_grads, family)
         if key not in self._backward:
             self._backward[key] = _TracedOnce(
-                lambda *a: self._backward_body(ctx, need_dx, *a), self._name(op_names.BPROP),
-                self._traced)
+                lambda *a: self._backward_body(ctx, need_dx, need_weight_grads, family, *a),
+                self._name(family), self._traced)
         args = self._arguments(theta, x, example_offset, step_seed)
         dy_leaves = flatten(dy)
         if self._traced:
@@ -318,15 +322,16 @@ class CellFunctions:
         flat, num_dx = self._call(self._backward[key], *args, dy_leaves, list(grad_sums))
         return flat[:num_dx], flat[num_dx:]
 
-    def _backward_body(self, ctx: _Context, need_dx: bool, structure: Any,
-                       theta_leaves: list[Any], x_leaves: list[Any], offset: Any,
-                       seed_leaves: list[Any], dy_leaves: list[Any],
-                       grad_sums: list[Any]) -> tuple[list[Any], Any]:
+    def _backward_body(self, ctx: _Context, need_dx: bool, need_weight_grads: bool,
+                       family: str, structure: Any, theta_leaves: list[Any],
+                       x_leaves: list[Any], offset: Any, seed_leaves: list[Any],
+                       dy_leaves: list[Any], grad_sums: list[Any]) -> tuple[list[Any], Any]:
         del structure  # Only tells traces apart.
         theta, x, offset, seed = self._unpack_arguments(theta_leaves, x_leaves, offset,
                                                         seed_leaves)
-        sources = [v for v in theta.Flatten() if is_trainable(v)]
-        with self._scope(op_names.BPROP):
+        sources = ([v for v in theta.Flatten() if is_trainable(v)] if need_weight_grads
+                   else [])
+        with self._scope(family):
             x_sources = [v for v in flatten(x) if is_float(v)] if need_dx else []
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
@@ -341,7 +346,7 @@ class CellFunctions:
             dx_iter = iter(grads[:len(x_sources)])
             dx = ([next(dx_iter) if is_float(v) else None for v in flatten(x)]
                   if need_dx else [])
-            sums = add_gradients(grad_sums, grads[len(x_sources):])
+            sums = add_gradients(grad_sums, grads[len(x_sources):]) if need_weight_grads else []
         return dx + sums, len(dx)
 
     # -- gradient sums -----------------------------------------------------------------------

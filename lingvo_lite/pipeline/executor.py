@@ -63,8 +63,11 @@ class StepState:
     upstream: dict[Key, Any] = dataclasses.field(default_factory=dict)  # Gradient for B(k, t).
     grad_sums: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell.
     input_grads: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
-    last_ops: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell.
+    last_ops: list[list[Any]] = dataclasses.field(default_factory=list)  # Per device.
     zeros: dict[tuple[Any, ...], tf.Tensor] = dataclasses.field(default_factory=dict)
+    # What W(k, t) of a split backward needs: boundary input, upstream gradient, offset.
+    weight_inputs: dict[Key, tuple[Any, Any, tf.Tensor]] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,17 +167,20 @@ class Executor:
         seed = self._step_seeds()
         state = StepState(boundary={(0, t): x for t, x in enumerate(xs)},
                           offsets=self._first_offsets(len(xs), micro_batch_size),
-                          last_ops=[[] for _ in range(self.num_cells)])
+                          last_ops=[[] for _ in range(sched.num_devices)])
         sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
         for k in range(self.num_cells):
             with self._cell_scope(k), tf.name_scope(f"cell_{k}/zero_grad_sums"):
                 state.grad_sums.append([tf.zeros_like(v) for v in sources[k]])
         for action in sched.actions():
+            device = sched.device_of_cell(action.cell)
             if action.phase is Phase.FORWARD:
-                self._train_forward(action, state, thetas, sources, keep, seed)
+                self._train_forward(action, device, state, thetas, sources, keep, seed)
+            elif action.phase is Phase.BACKWARD:
+                self._train_backward(action, device, state, thetas, sources, seed,
+                                     loss_gradient, need_input_grads, sched.splits_backward)
             else:
-                self._train_backward(action, state, thetas, sources, seed, loss_gradient,
-                                     need_input_grads)
+                self._train_weight_gradient(action, device, state, thetas, seed)
         num_micro = len(xs)
         return TrainResult(
             outputs=[state.outputs[t] for t in range(num_micro)],
@@ -182,13 +188,13 @@ class Executor:
             input_grads=([state.input_grads[t] for t in range(num_micro)]
                          if need_input_grads else None))
 
-    def _train_forward(self, action: Action, state: StepState, thetas: Sequence[NestedMap],
-                       sources: list[list[Any]], keep: frozenset[Key],
-                       seed: list[CallInput]) -> None:
+    def _train_forward(self, action: Action, device: int, state: StepState,
+                       thetas: Sequence[NestedMap], sources: list[list[Any]],
+                       keep: frozenset[Key], seed: list[CallInput]) -> None:
         k, t = action.cell, action.micro_batch
         offset = state.offsets[(k, t)]  # Kept for the backward.
         with self._cell_scope(k), self._action_scope(op_names.FORWARD, k, t), \
-                tf.control_dependencies(state.last_ops[k]):
+                tf.control_dependencies(state.last_ops[device]):
             # The local copy serves the backward too (re-computation or tape).
             x = state.boundary[(k, t)] = self._cells[k].prepare(state.boundary[(k, t)])
             if (k, t) in keep:
@@ -201,16 +207,18 @@ class Executor:
             else:
                 y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset, seed[k])
         _report(reports)
-        state.last_ops[k] = [v for v in flatten(y) if v is not None]
+        state.last_ops[device] = [v for v in flatten(y) if v is not None]
         if k == self.num_cells - 1:
             state.outputs[t] = y
         else:
             state.boundary[(k + 1, t)] = y
             state.offsets[(k + 1, t)] = next_offset
 
-    def _train_backward(self, action: Action, state: StepState, thetas: Sequence[NestedMap],
-                        sources: list[list[Any]], seed: list[CallInput],
-                        loss_gradient: Callable[[Any], Any], need_input_grads: bool) -> None:
+    def _train_backward(self, action: Action, device: int, state: StepState,
+                        thetas: Sequence[NestedMap], sources: list[list[Any]],
+                        seed: list[CallInput], loss_gradient: Callable[[Any], Any],
+                        need_input_grads: bool, split: bool) -> None:
+        """B(k, t): the whole backward, or with `split` only the input gradient (W follows)."""
         k, t = action.cell, action.micro_batch
         offset = state.offsets.pop((k, t))
         if k == self.num_cells - 1:
@@ -219,35 +227,64 @@ class Executor:
             upstream = state.upstream.pop((k, t))
         x = state.boundary.pop((k, t))
         need_dx = k > 0 or need_input_grads
+        if split:
+            # W(k, t) re-runs the forward and takes the weight gradient later.
+            state.weight_inputs[(k, t)] = (x, upstream, offset)
+        sums: list[Any] = []
         with self._cell_scope(k), self._action_scope(op_names.BACKWARD, k, t), \
-                tf.control_dependencies(state.last_ops[k]):
+                tf.control_dependencies(state.last_ops[device]):
             if (k, t) in state.tapes:
                 tape, y = state.tapes.pop((k, t))
                 ys, dys = float_outputs_and_gradients(
                     y, flatten(upstream), lambda i, leaf: self._zeros(state, k, i, leaf))
                 x_sources = [v for v in x.leaves if is_float(v)] if need_dx else []
-                with tf_private.serial_function_calls(self._serial):
-                    grads = tape.gradient(ys, x_sources + sources[k], output_gradients=dys,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                weights = [] if split else sources[k]
+                if x_sources or weights:
+                    with tf_private.serial_function_calls(self._serial):
+                        grads = tape.gradient(
+                            ys, x_sources + weights, output_gradients=dys,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                else:
+                    grads = []
                 dx_iter = iter(grads[:len(x_sources)])
                 dx = [next(dx_iter) if is_float(v) else None for v in x.leaves] \
                     if need_dx else []
-                sums = self._cells[k].accumulate(state.grad_sums[k], grads[len(x_sources):])
-                dx = _after(dx, sums)
+                if not split:
+                    sums = self._cells[k].accumulate(state.grad_sums[k],
+                                                     grads[len(x_sources):])
+                    dx = _after(dx, sums)
+            elif split and not need_dx:
+                dx = []  # Cell 0's input gradient is not needed: W does all the work.
             else:
                 # The upstream gradient is an input of the call, so the re-computation starts
                 # only once it exists: it stays in the backward pass.
-                dx, sums = self._cells[k].backward(thetas[k], x, upstream, state.grad_sums[k],
-                                                   offset, seed[k], need_dx)
-                if not self._cells[k].traced:
+                dx, sums = self._cells[k].backward(
+                    thetas[k], x, upstream, [] if split else state.grad_sums[k], offset,
+                    seed[k], need_dx, need_weight_grads=not split)
+                if not self._cells[k].traced and sums:
                     dx = _after(dx, sums)
-            state.grad_sums[k] = sums
-        state.last_ops[k] = [g for g in dx if g is not None] + list(sums)
+            if not split:
+                state.grad_sums[k] = sums
+        done = [g for g in dx if g is not None] + list(sums)
+        if done:
+            state.last_ops[device] = done
         if k > 0:
             state.upstream[(k - 1, t)] = pack(x.like, dx)
         elif need_input_grads:
             state.input_grads[t] = dx
 
+    def _train_weight_gradient(self, action: Action, device: int, state: StepState,
+                               thetas: Sequence[NestedMap], seed: list[CallInput]) -> None:
+        """W(k, t) of a split backward: re-run the forward, add the weight gradient to the sums."""
+        k, t = action.cell, action.micro_batch
+        x, upstream, offset = state.weight_inputs.pop((k, t))
+        with self._cell_scope(k), self._action_scope(op_names.WEIGHT, k, t), \
+                tf.control_dependencies(state.last_ops[device]):
+            _, sums = self._cells[k].backward(
+                thetas[k], x, upstream, state.grad_sums[k], offset, seed[k], need_dx=False,
+                need_weight_grads=True, family=op_names.WGRAD)
+        state.grad_sums[k] = sums
+        state.last_ops[device] = list(sums)
 
     def _zeros(self, state: StepState, k: int, i: int, like: tf.Tensor) -> tf.Tensor:
         """Zeros like output leaf i of cell k, made once per step and shared by micro-batches

@@ -112,7 +112,7 @@ def function_runs(sched: Schedule,
       F(k, t): fprop.
       B(k, t), whole backward: kept -> fprop_gradient then accumulate; else bprop.
       B(k, t), input gradient of a split backward: kept -> fprop_gradient; else bprop (the
-        re-computation stays in B).
+        re-computation stays in B); cell 0 computes none (its input needs no gradient).
       W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
     """
     runs: dict[tuple[int, str], list[int]] = {}
@@ -123,6 +123,8 @@ def function_runs(sched: Schedule,
                 families = [FPROP]
             elif action.phase is Phase.WEIGHT:
                 families = [WGRAD]
+            elif sched.splits_backward and k == 0:
+                families = []  # Cell 0's input gradient is not computed: W does the work.
             elif (k, t) in keep:
                 families = [FPROP_GRADIENT] if sched.splits_backward else [FPROP_GRADIENT,
                                                                            ACCUMULATE]

@@ -92,7 +92,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
         p = super().Params()
         p.Define("layers", [], "Layer params, in order. Each layer's output feeds the next.")
-        p.Define("num_cells", 1, "K: number of pipeline cells (one device each).")
+        p.Define("num_cells", 1,
+                 "K: number of pipeline cells, one device each (with virtual_stages=v: "
+                 "K / v devices, v cells each).")
         p.Define(
             "partition_method", "min_max",
             "How layers are split into cells: 'min_max' (exactly minimise the largest "
@@ -138,7 +140,17 @@ class PipeliningLayer(base_layer.BaseLayer):
             "(in GPipe's fill-drain order: the last micro-batch on every cell; recomputing "
             "it would be pure waste); 'never'.",
         )
-        p.Define("schedule", "gpipe", "Pipeline schedule: 'gpipe' (fill-drain) or '1f1b'.")
+        p.Define("schedule", "gpipe",
+                 "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (PipeDream-flush), "
+                 "'interleaved' (Megatron's interleaved 1F1B; see virtual_stages) or "
+                 "'zero_bubble' (ZB-H1: each backward split into the input gradient B and "
+                 "the weight gradient W, which re-runs the cell's forward and fills the "
+                 "bubbles).")
+        p.Define("virtual_stages", 1,
+                 "For schedule='interleaved': cells per device, v. The layers are partitioned "
+                 "into num_cells cells that run on num_cells / v devices, device d holding "
+                 "cells d, d + num_cells / v, ...: the bubble shrinks v-fold. The number of "
+                 "micro-batches must be a multiple of the number of devices.")
         p.Define(
             "serial_devices", False,
             "Run every forward and backward of a cell as one function on TensorFlow's "
@@ -173,17 +185,23 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1.")
         self._partition = self.ComputePartition(p)
         num_cells = self._partition.num_cells
+        try:  # The schedule's name and virtual_stages, checked before any device is chosen.
+            probe = schedule.make_schedule(p.schedule, num_cells,
+                                           max(1, num_cells // max(1, p.virtual_stages)),
+                                           p.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
+        self._num_devices = probe.num_devices
         strategy = tpu.current_tpu_strategy()
-        path = placement.choose_path(p.placement, p.num_replicas, num_cells,
+        path = placement.choose_path(p.placement, p.num_replicas, self._num_devices,
                                      placement.visible_device_counts(), strategy is not None)
-        # Under a TPUStrategy the strategy replicates and places: cell k on logical core k.
+        # Under a TPUStrategy the strategy replicates and places: device d on logical core d.
         self._tpu_strategy = strategy if path == placement.TPU_STRATEGY_PATH else None
         if self._tpu_strategy is not None:
-            tpu.logical_cores_per_replica(self._tpu_strategy, num_cells)
-            self._mesh = tpu.strategy_mesh(self._tpu_strategy, num_cells)
+            tpu.logical_cores_per_replica(self._tpu_strategy, self._num_devices)
+            self._mesh = tpu.strategy_mesh(self._tpu_strategy, self._num_devices)
         else:
-            self._mesh = placement.resolve_mesh(p.placement, p.num_replicas, num_cells)
-        self._devices = self._mesh[0]
+            self._mesh = placement.resolve_mesh(p.placement, p.num_replicas, self._num_devices)
         self._active_replica: int | None = None  # Set while FPropAndReplicaGrads runs one.
         self._executors: dict[int, executor.Executor] = {}
         self.CreateChildren(
@@ -196,7 +214,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._gradient_all_reduce = []
         if p.num_replicas > 1:
             self._gradient_all_reduce = [
-                collectives.AllReduce([row[k] for row in self._mesh])
+                collectives.AllReduce([row[self._device_of_cell(k)] for row in self._mesh])
                 for k in range(self.num_cells)
             ]
 
@@ -270,8 +288,16 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     @property
     def devices(self) -> list[str]:
-        """Device of each cell."""
-        return list(self._devices)
+        """Device of each cell (of replica 0)."""
+        return [self._mesh[0][self._device_of_cell(k)] for k in range(self.num_cells)]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices per replica: num_cells, or num_cells / virtual_stages when interleaved."""
+        return self._num_devices
+
+    def _device_of_cell(self, k: int) -> int:
+        return k % self._num_devices
 
     @property
     def num_cells(self) -> int:
@@ -284,7 +310,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     @property
     def mesh(self) -> list[list[str]]:
         """`mesh[r][k]`: the device of cell k of replica r (of the TPUStrategy, if any)."""
-        return [list(row) for row in self._mesh]
+        return [[row[self._device_of_cell(k)] for k in range(self.num_cells)]
+                for row in self._mesh]
 
     @property
     def tpu_strategy(self) -> tf.distribute.Strategy | None:
@@ -294,14 +321,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     def _cell_scope(self, k: int, replica: int = 0) -> ContextManager[Any]:
         """Where cell k of `replica` creates its variables and runs its ops."""
         if self._tpu_strategy is not None:
-            return tpu.cell_scope(self._tpu_strategy, k)
-        return tf.device(self._mesh[replica][k])
+            return tpu.cell_scope(self._tpu_strategy, self._device_of_cell(k))
+        return tf.device(self._mesh[replica][self._device_of_cell(k)])
 
     def _copy_trainable_vars(self, replica: int) -> NestedMap:
         """Replica `replica`'s theta: copies of the trainable weights on its cells' devices."""
         layers = []
         for i, layer_vars in enumerate(self.vars.layers):
-            device = self._mesh[replica][self._partition.cell_of_layer(i)]
+            device = self._mesh[replica][self._device_of_cell(self._partition.cell_of_layer(i))]
 
             def copy(v: tf.Variable, device: str = device) -> tf.Variable:
                 if not v.trainable:
@@ -332,7 +359,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         return [v for i in self.cell_layers(k) for v in self.layers[i].vars.Flatten()]
 
     def make_schedule(self, num_micro_batches: int) -> schedule.Schedule:
-        return schedule.make_schedule(self.params.schedule, self.num_cells, num_micro_batches)
+        try:
+            return schedule.make_schedule(self.params.schedule, self.num_cells,
+                                          num_micro_batches, self.params.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     def num_micro_batches_for(self, batch_size: int) -> int:
         p = self.params

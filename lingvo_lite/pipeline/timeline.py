@@ -199,7 +199,8 @@ def classify_op(name: str) -> tuple[int, str, int | None] | None:
 
 
 def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
-                    remat_mode: str = "except_last") -> list[tuple[OpEvent, int, str, int]]:
+                    remat_mode: str = "except_last",
+                    virtual_stages: int = 1) -> list[tuple[OpEvent, int, str, int]]:
     """(event, cell, phase, micro_batch) for the pipeline ops of one step, in time order.
 
     Ops inside a cell's functions get their micro-batch from the order their function ran in:
@@ -216,7 +217,7 @@ def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
             parsed.append((e, p))
     runs = None
     if any(p.micro_batch is None for _, p in parsed):
-        runs = _function_runs_of(parsed, schedule_name, remat_mode)
+        runs = _function_runs_of(parsed, schedule_name, remat_mode, virtual_stages)
     seen: dict[str, int] = {}
     out = []
     for e, p in parsed:
@@ -233,14 +234,14 @@ def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
 
 
 def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedule_name: str,
-                      remat_mode: str) -> dict[tuple[int, str], list[int]]:
+                      remat_mode: str, virtual_stages: int) -> dict[tuple[int, str], list[int]]:
     num_cells = 1 + max(p.cell for _, p in parsed)
     forward_runs: dict[str, int] = {}
     for e, p in parsed:
         if p.family == op_names.FPROP and p.micro_batch is None:
             forward_runs[e.name] = forward_runs.get(e.name, 0) + 1
     num_micro_batches = max(forward_runs.values(), default=1)
-    sched = schedule.make_schedule(schedule_name, num_cells, num_micro_batches)
+    sched = schedule.make_schedule(schedule_name, num_cells, num_micro_batches, virtual_stages)
     return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode))
 
 
@@ -261,7 +262,7 @@ def union_ns(intervals: Iterable[tuple[int, int]]) -> int:
 
 
 def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
-                      remat_mode: str = "except_last") -> list[Box]:
+                      remat_mode: str = "except_last", virtual_stages: int = 1) -> list[Box]:
     """One Box per (cell, phase, micro-batch) that has ops, sorted by cell then start.
 
     Bookkeeping ops (variable reads, constants, identities) are left out: they take no time
@@ -269,7 +270,8 @@ def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
     the profiled pipeline's (see `classify_events`).
     """
     groups: dict[tuple[int, str, int], list[OpEvent]] = {}
-    for e, cell, phase, t in classify_events(events, schedule_name, remat_mode):
+    for e, cell, phase, t in classify_events(events, schedule_name, remat_mode,
+                                             virtual_stages):
         groups.setdefault((cell, phase, t), []).append(e)
     boxes = []
     for (cell, phase, t), evs in groups.items():

@@ -150,8 +150,10 @@ def iter_pipelining_params(p: Any, path: str = "") -> Iterator[tuple[str, hyperp
 
 
 def auto_num_logical_cpus(task_params: hyperparams.Params) -> int:
-    """The most devices any PipeliningLayer needs (num_replicas x num_cells), at least 1."""
-    sizes = [pp.num_cells * pp.num_replicas for _, pp in iter_pipelining_params(task_params)
+    """The most devices any PipeliningLayer needs (num_replicas x devices per replica: num_cells,
+    or num_cells / virtual_stages when interleaved), at least 1."""
+    sizes = [pp.num_cells // max(1, getattr(pp, "virtual_stages", 1)) * pp.num_replicas
+             for _, pp in iter_pipelining_params(task_params)
              if isinstance(pp.num_cells, int) and isinstance(pp.num_replicas, int)]
     return max([1, *sizes])
 

@@ -44,6 +44,7 @@ class PipelineDescription:
     schedule: str = "gpipe"
     remat: str = "except_last"
     partition_cost: str = "flops"
+    virtual_stages: int = 1
 
     @classmethod
     def from_task_params(cls, model: str, task_params: Any) -> PipelineDescription:
@@ -55,7 +56,8 @@ class PipelineDescription:
             return cls(model=model, num_cells=pp.num_cells,
                        num_micro_batches=num_micro_batches if isinstance(
                            num_micro_batches, int) else None,
-                       schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost)
+                       schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost,
+                       virtual_stages=pp.virtual_stages)
         return cls(model=model)
 
 
@@ -163,7 +165,7 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
     for step, start, end in windows:
         step_events = timeline.events_in(events, start, end)
         boxes = timeline.boxes_from_events(step_events, description.schedule,
-                                           description.remat)
+                                           description.remat, description.virtual_stages)
         if not boxes:
             continue
         last_breakdown = timeline.compute_breakdown(step_events)
