@@ -159,6 +159,19 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for ref_g, g in zip(self.ref_grads, grads):
             self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
 
+    @parameterized.product(
+        config=[("gpipe", 2, 1, 4), ("1f1b", 3, 1, 4), ("interleaved", 4, 2, 4),
+                ("gpipe", 4, 1, 8)],
+        remat=["always", "except_last", "never"])
+    def test_batched_weight_gradients_give_the_same_gradients(self, config, remat):
+        name, num_cells, virtual_stages, num_micro_batches = config
+        pipe = make_pipeline(mlp_layers(), num_cells, num_micro_batches, remat, schedule=name,
+                             virtual_stages=virtual_stages, weight_gradients="batched")
+        loss, grads = pipeline_loss_and_grads(pipe, self.batch, 3, graph=False)
+        self.assertAllClose(self.ref_loss, loss, rtol=RTOL, atol=ATOL)
+        for ref_g, g in zip(self.ref_grads, grads):
+            self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
+
     def test_dropout_is_active_and_matters(self):
         # Guards the matrix above against a vacuous pass: masks depend on the step seed.
         pipe = make_pipeline(mlp_layers(), 2, 4)
@@ -285,6 +298,20 @@ class PipelineBatchNormTest(tf.test.TestCase, parameterized.TestCase):
         for ref_g, g in zip(ref_grads, grads):
             if ref_g is not None:
                 self.assertAllClose(ref_g, g, rtol=1e-4, atol=1e-6)
+
+    def test_batched_weight_gradients_refuse_batch_norm(self):
+        # Re-running a cell on all micro-batches at once would change its batch statistics.
+        pipe = make_pipeline(bn_layers(), num_cells=2, num_micro_batches=2,
+                             weight_gradients="batched")
+        with self.assertRaisesRegex(ValueError, r"weight_gradients='batched' .* statistics per "
+                                                r"micro-batch .*'per_micro_batch'"):
+            pipeline_loss_and_grads(pipe, make_batch(), 0)
+
+    def test_batched_weight_gradients_refuse_zero_bubble(self):
+        pipe = make_pipeline(mlp_layers(), num_cells=2, num_micro_batches=2,
+                             schedule="zero_bubble", weight_gradients="batched")
+        with self.assertRaisesRegex(ValueError, "already splits each backward"):
+            pipeline_loss_and_grads(pipe, make_batch(), 0)
 
 
 class PlacementTest(tf.test.TestCase):

@@ -150,7 +150,8 @@ class Executor:
 
     def train(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
               micro_batch_size: int, keep: frozenset[Key], loss_gradient: Callable[[Any], Any],
-              need_input_grads: bool = False) -> TrainResult:
+              need_input_grads: bool = False, batch_dim: int = 0,
+              batched_weight_grads: bool = False) -> TrainResult:
         """Forward and backward of every micro-batch, weight gradients summed per cell.
 
         Args:
@@ -163,6 +164,11 @@ class Executor:
           loss_gradient: `loss_gradient(y)` -> the gradient to start the last cell's
             backward from, shaped like its output y (None leaves for no gradient).
           need_input_grads: also compute d(loss)/d(micro-batch) for every float input leaf.
+          batch_dim: the examples' axis (micro-batches are concatenated along it).
+          batched_weight_grads: each backward computes only the input gradient; once a
+            cell's last backward ran, one call re-runs its forward on all its micro-batches
+            (concatenated) and takes the weight gradient of the whole mini-batch: one
+            weight-sized gradient per cell instead of T (see `_batched_weight_gradient`).
         """
         seed = self._step_seeds()
         state = StepState(boundary={(0, t): x for t, x in enumerate(xs)},
@@ -172,15 +178,30 @@ class Executor:
         for k in range(self.num_cells):
             with self._cell_scope(k), tf.name_scope(f"cell_{k}/zero_grad_sums"):
                 state.grad_sums.append([tf.zeros_like(v) for v in sources[k]])
+        if batched_weight_grads and sched.splits_backward:
+            raise ValueError(
+                f"weight_gradients='batched' with schedule={sched.name!r}: that schedule already "
+                "splits each backward into B and W; use weight_gradients='per_micro_batch'.")
+        last_backward = {k: max(i for i, a in enumerate(sched.cell_order(k))
+                                if a.phase is not Phase.FORWARD)
+                         for k in range(self.num_cells)}
+        done_actions = dict.fromkeys(range(self.num_cells), 0)
         for action in sched.actions():
-            device = sched.device_of_cell(action.cell)
+            k = action.cell
+            device = sched.device_of_cell(k)
             if action.phase is Phase.FORWARD:
-                self._train_forward(action, device, state, thetas, sources, keep, seed)
+                self._train_forward(action, device, state, thetas, sources, keep, seed,
+                                    batched_weight_grads)
             elif action.phase is Phase.BACKWARD:
                 self._train_backward(action, device, state, thetas, sources, seed,
-                                     loss_gradient, need_input_grads, sched.splits_backward)
+                                     loss_gradient, need_input_grads,
+                                     sched.splits_backward or batched_weight_grads)
             else:
                 self._train_weight_gradient(action, device, state, thetas, seed)
+            if batched_weight_grads and done_actions[k] == last_backward[k]:
+                self._batched_weight_gradient(k, device, len(xs), state, thetas, seed,
+                                              batch_dim)
+            done_actions[k] += 1
         num_micro = len(xs)
         return TrainResult(
             outputs=[state.outputs[t] for t in range(num_micro)],
@@ -190,7 +211,8 @@ class Executor:
 
     def _train_forward(self, action: Action, device: int, state: StepState,
                        thetas: Sequence[NestedMap], sources: list[list[Any]],
-                       keep: frozenset[Key], seed: list[CallInput]) -> None:
+                       keep: frozenset[Key], seed: list[CallInput],
+                       batched_weight_grads: bool) -> None:
         k, t = action.cell, action.micro_batch
         offset = state.offsets[(k, t)]  # Kept for the backward.
         with self._cell_scope(k), self._action_scope(op_names.FORWARD, k, t), \
@@ -206,6 +228,13 @@ class Executor:
                 state.tapes[(k, t)] = (tape, y)
             else:
                 y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset, seed[k])
+        if batched_weight_grads and reports:
+            layer = reports[0][0]
+            raise ValueError(
+                f"weight_gradients='batched' re-runs cell {k} on all micro-batches at once, but "
+                f"its layer '{getattr(layer, 'path', layer)}' computes statistics per "
+                "micro-batch (e.g. batch norm), which would change; use "
+                "weight_gradients='per_micro_batch'.")
         _report(reports)
         state.last_ops[device] = [v for v in flatten(y) if v is not None]
         if k == self.num_cells - 1:
@@ -286,6 +315,32 @@ class Executor:
         state.grad_sums[k] = sums
         state.last_ops[device] = list(sums)
 
+    def _batched_weight_gradient(self, k: int, device: int, num_micro_batches: int,
+                                 state: StepState, thetas: Sequence[NestedMap],
+                                 seed: list[CallInput], batch_dim: int) -> None:
+        """Cell k's weight gradient for all its micro-batches in one call.
+
+        The sum over micro-batches of d(loss_t)/d(weights), each weighted by its upstream
+        gradient, is the gradient of one forward of the concatenated micro-batches with the
+        concatenated upstream gradients: the examples keep their positions (dropout masks are
+        keyed by them) and the last cell's scalar loss, a mean over its examples, takes the
+        sum of the micro-batches' seeds (the mean over all of them, weighted alike).
+        """
+        inputs = [state.weight_inputs.pop((k, t)) for t in range(num_micro_batches)]
+        xs = [x for x, _, _ in inputs]
+        with self._cell_scope(k), tf.name_scope(f"cell_{k}/wgrad_all"), \
+                tf.control_dependencies(state.last_ops[device]):
+            x_all = _concatenate([x.value(x.leaves) for x in xs], batch_dim, k, "input",
+                                 shared_scalars=k == 0)
+            dy_all = _concatenate([dy for _, dy, _ in inputs], batch_dim, k, "output gradient",
+                                  shared_scalars=False, sum_scalars=k == self.num_cells - 1)
+            _, sums = self._cells[k].backward(
+                thetas[k], self._cells[k].prepare(x_all), dy_all, state.grad_sums[k],
+                inputs[0][2], seed[k], need_dx=False, need_weight_grads=True,
+                family=op_names.WGRAD)
+        state.grad_sums[k] = sums
+        state.last_ops[device] = list(sums)
+
     def _zeros(self, state: StepState, k: int, i: int, like: tf.Tensor) -> tf.Tensor:
         """Zeros like output leaf i of cell k, made once per step and shared by micro-batches
         (TensorFlow's gradient of a function call needs a gradient for every output)."""
@@ -308,6 +363,35 @@ def _after(dx: list[Any], sums: list[Any]) -> list[Any]:
     """
     with tf.control_dependencies(sums):
         return [None if g is None else tf.identity(g) for g in dx]
+
+
+def _concatenate(values: list[Any], batch_dim: int, cell: int, what: str,
+                 shared_scalars: bool, sum_scalars: bool = False) -> Any:
+    """Micro-batch values of one cell joined along `batch_dim` (None leaves stay None).
+
+    Scalars are the pipeline input's shared scalars (`shared_scalars`: take the first), the
+    last cell's loss seeds (`sum_scalars`: add them up), or else an error: a scalar computed per
+    micro-batch cannot be re-assembled into the mini-batch's.
+    """
+    leaves = [flatten(v) for v in values]
+    out = []
+    for i, first in enumerate(leaves[0]):
+        parts = [lv[i] for lv in leaves]
+        if first is None or all(p is None for p in parts):
+            out.append(None)
+        elif first.shape.rank == 0:
+            if sum_scalars:
+                out.append(tf.add_n(parts))
+            elif shared_scalars:
+                out.append(first)
+            else:
+                raise ValueError(
+                    f"weight_gradients='batched' joins cell {cell}'s micro-batches, but its "
+                    f"{what} has a scalar leaf computed per micro-batch; keep scalars out of "
+                    "cell boundaries or use weight_gradients='per_micro_batch'.")
+        else:
+            out.append(tf.concat(parts, axis=batch_dim))
+    return pack(values[0], out)
 
 
 def _report(reports: list[tuple[Any, Any]]) -> None:

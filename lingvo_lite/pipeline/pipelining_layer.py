@@ -47,6 +47,7 @@ from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_train
 
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
+WEIGHT_GRADIENTS = ("per_micro_batch", "batched")
 
 
 def _check_tensor_leaves(value: Any, where: str) -> None:
@@ -152,6 +153,15 @@ class PipeliningLayer(base_layer.BaseLayer):
                  "cells d, d + num_cells / v, ...: the bubble shrinks v-fold. The number of "
                  "micro-batches must be a multiple of the number of devices.")
         p.Define(
+            "weight_gradients", "per_micro_batch",
+            "'per_micro_batch': every backward adds its micro-batch's weight gradient to the "
+            "cell's sums (T weight-sized gradients per cell and step). 'batched': backwards "
+            "compute only input gradients; after a cell's last backward, one call re-runs the "
+            "cell on all its micro-batches at once and takes the whole mini-batch's weight "
+            "gradient: one weight-sized gradient per cell, a win for weight-heavy layers with "
+            "small micro-batches, for the memory of one full-batch re-computation per cell. "
+            "Refused for layers with per-micro-batch statistics (batch norm) and zero_bubble.")
+        p.Define(
             "serial_devices", False,
             "Run every forward and backward of a cell as one function on TensorFlow's "
             "single-threaded executor, so each device runs one op at a time (like an "
@@ -176,6 +186,9 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: p.layers is empty; give the layer params to pipeline.")
         if p.remat not in REMAT_MODES:
             raise ValueError(f"{self.path}: remat={p.remat!r}; use one of {REMAT_MODES}.")
+        if p.weight_gradients not in WEIGHT_GRADIENTS:
+            raise ValueError(f"{self.path}: weight_gradients={p.weight_gradients!r}; use one of "
+                             f"{WEIGHT_GRADIENTS}.")
         try:
             micro_batch.check_micro_batch_params(p.num_micro_batches, p.micro_batch_size)
         except ValueError as e:
@@ -502,7 +515,8 @@ class PipeliningLayer(base_layer.BaseLayer):
             result = self._executor(replica).train(
                 sched, self._cell_thetas(theta), xs, micro_size,
                 keep=remat.remat_plan(sched, self.params.remat), loss_gradient=loss_gradient,
-                need_input_grads=return_input_grads)
+                need_input_grads=return_input_grads, batch_dim=self.params.batch_dim,
+                batched_weight_grads=self.params.weight_gradients == "batched")
         ordered = result.outputs
         grads = self._theta_grads(theta, result.grad_sums)
         weights = [weight_of[id(o)] for o in ordered]
