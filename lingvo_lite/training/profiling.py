@@ -45,6 +45,7 @@ class PipelineDescription:
     remat: str = "except_last"
     partition_cost: str = "flops"
     virtual_stages: int = 1
+    serial_devices: bool = False
 
     @classmethod
     def from_task_params(cls, model: str, task_params: Any) -> PipelineDescription:
@@ -57,7 +58,7 @@ class PipelineDescription:
                        num_micro_batches=num_micro_batches if isinstance(
                            num_micro_batches, int) else None,
                        schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost,
-                       virtual_stages=pp.virtual_stages)
+                       virtual_stages=pp.virtual_stages, serial_devices=pp.serial_devices)
         return cls(model=model)
 
 
@@ -97,6 +98,11 @@ class StepProfiler:
         self._out = out
         self._active = False
         self.result: dict | None = None
+        if self.description.serial_devices and out is not None:
+            print("Note: with serial_devices=True the cells run on TensorFlow's single-threaded "
+                  "executor, which the profiler does not trace op by op: the chart will show "
+                  "little cell work. Profile with network.serial_devices : False for the "
+                  "breakdown.", file=out, flush=True)
 
     @contextlib.contextmanager
     def step(self, step_number: int, writers=None) -> Iterator[None]:
