@@ -10,7 +10,8 @@ prints, per partition:
   imbalance the measured layer profile gives the same split;
 - the busy-time imbalance really measured: max / mean of the devices' busy time in the TF
   profiler timeline of `--profile_steps` steps (lingvo_lite/pipeline/timeline.py), the mean
-  over those steps;
+  over those steps, of the same split on the shared pool (serial devices run their ops on
+  TensorFlow's single-threaded executor, which the profiler does not trace op by op);
 - the median step time over interleaved rounds, and the speedup over one serial device
   (K=1, T=1, no recomputation) timed in the same rounds.
 
@@ -128,11 +129,17 @@ def run(args: argparse.Namespace) -> dict:
             step = bench_lib.pipeline_train_step(pipe)[0]
             name = f"K{k}_{cost}"
             steps[name] = (step, batch)
+            # TensorFlow's single-threaded executor (serial devices) emits no per-op profiler
+            # events: busy times come from the same split on the shared pool.
+            starts = [start for start, _ in part.cell_layer_ranges[1:]]
+            traced = p.Copy().Set(serial_devices=False, partition_method="explicit",
+                                  split_points=starts).Instantiate()
+            traced_step = bench_lib.pipeline_train_step(traced)[0]
             rows.append({"name": name, "num_cells": k, "cost": cost,
                          "cell_sizes": list(part.cell_sizes),
                          "cost_model_imbalance": part.imbalance,
                          "profile_imbalance": under_profile.imbalance,
-                         "busy_imbalance": _busy_imbalance(step, batch, k,
+                         "busy_imbalance": _busy_imbalance(traced_step, batch, k,
                                                            args.profile_steps)})
     one = network.Copy().Set(name="one", num_cells=1, num_micro_batches=1, remat="never",
                              serial_devices=True, random_seed=1).Instantiate()

@@ -178,6 +178,8 @@ class Executor:
         for k in range(self.num_cells):
             with self._cell_scope(k), tf.name_scope(f"cell_{k}/zero_grad_sums"):
                 state.grad_sums.append([tf.zeros_like(v) for v in sources[k]])
+        # One micro-batch has nothing to batch: the extra re-run would be pure cost.
+        batched_weight_grads = batched_weight_grads and len(xs) > 1
         if batched_weight_grads and sched.splits_backward:
             raise ValueError(
                 f"weight_gradients='batched' with schedule={sched.name!r}: that schedule already "

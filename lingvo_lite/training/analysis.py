@@ -160,14 +160,18 @@ def _num_micro_batches(p: hyperparams.Params) -> int | None:
 def _describe_mesh(p: hyperparams.Params) -> str:
     """Which device holds which replica's cell, for a local placement (see resolve_mesh)."""
     num_cells, num_replicas = p.num_cells, p.num_replicas
-    lines = [f"Mesh: {num_replicas} data-parallel replicas x {num_cells} cells = "
-             f"{num_replicas * num_cells} devices (placement={p.placement!r}); cell k's "
+    per_device = max(1, getattr(p, "virtual_stages", 1))
+    num_devices = num_cells // per_device
+    shape = (f"{num_cells} cells" if per_device == 1
+             else f"{num_devices} devices of {per_device} cells each (interleaved)")
+    lines = [f"Mesh: {num_replicas} data-parallel replicas x {shape} = "
+             f"{num_replicas * num_devices} devices (placement={p.placement!r}); cell k's "
              "gradients are all-reduced over the replicas on the cells' devices."]
     explicit = None if isinstance(p.placement, str) else list(p.placement)
     for r in range(num_replicas):
         cells = ", ".join(
-            f"cell {k} -> " + (explicit[r * num_cells + k] if explicit
-                               else f"device {r * num_cells + k}")
+            f"cell {k} -> " + (explicit[r * num_devices + k % num_devices] if explicit
+                               else f"device {r * num_devices + k % num_devices}")
             for k in range(num_cells))
         lines.append(f"  replica {r}: {cells}")
     return "\n".join(lines)
