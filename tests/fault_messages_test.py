@@ -18,9 +18,12 @@ How the faults are made, without root and without a test hook in the file-writin
     checkpoint writer included -- then fails with EFBIG, as a write to a full disk fails with
     ENOSPC; a tiny file system would need root to mount.
 
-Bad inputs tried and held, issue 17's audit and since: 76 tried by the audit, of which 63 held and
-13 did not (the points of issue 17); those 13 are now covered by tests/reliability_test.py and by
-the 13 faults below, which brings the count to 89 tried, 89 held.
+Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 15,
+all held: (1) an existing logdir and (2) a new logdir's parent not writable; (3) a full disk and
+(4) lost write permission mid-run; (5) an unreadable MT corpus file; (6) a corrupt and (7) an
+unreadable image stopping the run, and the same two (8, 9) skipped with skip_bad_files; resuming
+with another batch size, (10) recorded in the manifest and (11) not; Ctrl-C (12) at start-up,
+(13) twice at start-up, (14) twice during setup, (15) three times mid-run. 91 tried in all.
 """
 
 from __future__ import annotations
