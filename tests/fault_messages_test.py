@@ -43,10 +43,11 @@ import time
 
 import numpy as np
 import pytest
+import reliability_models
 import tensorflow as tf
 from subprocesses import stop_processes
 
-from lingvo_lite.training import checkpointer, logdir_lock
+from lingvo_lite.training import checkpointer, logdir_lock, loop, options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "tests.testdata_models.TinyMlp"
@@ -290,6 +291,29 @@ class BadDataFileTest(_FaultTestCase):
             self.assertIn(reason, mentions)
         self.assertIn("skipped 2 of 10 files of split 'train'", err)
         self.assertIn("Done: global step 4", out)
+
+
+class EvalBadImageTest(_FaultTestCase):
+
+    def test_corrupt_image_in_an_eval_split_is_named(self) -> None:
+        # In-process: the evaluation loop (eval, train_and_eval) meets the same bad data.
+        root = os.path.join(self.root, "images")
+        os.makedirs(os.path.join(root, "dev", "ants"))
+        for i in range(3):
+            _write_png(os.path.join(root, "dev", "ants", f"{i}.png"), 10 * i)
+        corrupt = os.path.join(root, "dev", "ants", "corrupt.png")
+        with open(corrupt, "wb") as f:
+            f.write(b"GIF89a truncated")
+        model = reliability_models.TinyImageFolderMlp()
+        task = model.Task().Instantiate()
+        dev = model.Train().Set(root_dir=root, split="dev", repeat=False, shuffle=False)
+        self.assertEqual(reliability_models.IMAGE_BATCH, dev.batch_size)
+        with self.assertRaises(options.TrainingError) as raised:
+            loop.evaluate_split(task, dev)
+        message = str(raised.exception)
+        self.assertIn(f"ImageFolderInput 'train': {corrupt} is not a readable image", message)
+        self.assertIn("skip_bad_files : True", message)
+        self.assertNotIn("\n", message)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,10 +152,12 @@ def maybe_signal_self(point: str) -> None:
 
     Points are `start` (trainer.py parsed its flags, TensorFlow is not imported yet),
     `interrupted` (the first signal is being reported), `setup` (the trainer restored its
-    checkpoint, the step is not traced yet),
-    `fetched:<step>` (the batch for that step was just fetched) and `saving:<step>` (TensorFlow
-    wrote checkpoint <step>, its manifest is not yet written). The tests use this to land a
-    signal at an exact moment; it does nothing unless the variable is set.
+    checkpoint, the step is not traced yet), `fetched:<step>` (the batch for that step was just
+    fetched), `saving:<step>` (TensorFlow wrote checkpoint <step>, its manifest is not yet
+    written) and `stopped` (the loop saved after a stop signal; summaries and lock are not yet
+    closed). `SIGSTOP` pauses the trainer there (tests change its environment, then send
+    SIGCONT). The tests use this to land a signal at an exact moment; it does nothing unless the
+    variable is set.
     """
     spec = os.environ.get(TEST_SIGNAL_ENV)
     if not spec:

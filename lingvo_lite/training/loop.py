@@ -101,7 +101,8 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
     sums: dict[str, float] = {}
     total = 0
     num_batches = 0
-    for batch in input_params.Instantiate().dataset():
+    input_generator = input_params.Instantiate()
+    for batch in _explained(input_generator, iter(input_generator.dataset())):
         if max_batches and num_batches >= max_batches:
             break
         if should_stop is not None and should_stop():
@@ -120,6 +121,21 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
     out["num_examples_evaluated"] = total
     out["num_batches"] = num_batches
     return out
+
+
+def _explained(input_generator: Any, iterator: Any) -> Any:
+    """Yields from `iterator`; a data error is raised as a one-line TrainingError."""
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except tf.errors.OpError as e:
+            message = _input_error_message(input_generator, e, None, False)
+            if message is None:
+                raise
+            raise TrainingError(message) from None
+        yield batch
 
 
 def write_eval_results(logdir: str, split: str, step: int, metrics: dict[str, Any],
@@ -604,7 +620,7 @@ class Trainer:
 
 def _input_error_message(input_generator: Any, error: tf.errors.OpError,
                          restored: str | None, restored_position: bool) -> str | None:
-    """One line for an error of the train input's data, or None when it is not one.
+    """One line for an error of an input's data, or None when it is not one.
 
     The input generator names a bad file if it can (`explain_data_error`); an input position
     restored from a checkpoint that yields batches of another shape means the input params
@@ -624,9 +640,9 @@ def _input_error_message(input_generator: Any, error: tf.errors.OpError,
                 "the input with --reset_input_position.")
     if isinstance(error, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
                           tf.errors.DataLossError)):
-        name = getattr(getattr(input_generator, "params", None), "name", "train")
-        return (f"the train input {name!r} could not read its data: {text[:300]}. Check the "
-                "files its params point to.")
+        name = getattr(getattr(input_generator, "params", None), "name", "input")
+        return (f"the input {name!r} could not read its data: {text[:300]}. Check the files "
+                "its params point to.")
     return None
 
 

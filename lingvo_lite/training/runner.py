@@ -4,9 +4,14 @@ Each invocation has two phases:
   1. setup (`prepare`): validate the options, resolve the model and overrides, configure the
      logical devices, build the task and input, restore the latest checkpoint, trace the step.
      Nothing is written to the log directory. A user error here (`ValueError` -- including
-     `UsageError` --, `KeyError`, `AttributeError`, `FileNotFoundError`) is printed as
-     `trainer.py: error: <message>` and `main` returns 1, without a traceback.
-  2. the job: train / evaluate / print. Exceptions here are bugs and propagate.
+     `UsageError` --, `KeyError`, `AttributeError`, `FileNotFoundError`) or an `OSError` of the
+     environment (permissions, a full disk) is printed as `trainer.py: error: <message>` and
+     `main` returns 1, without a traceback.
+  2. the job: train / evaluate / print. A `TrainingError` (a write that failed mid-run, bad
+     data met mid-run, too many non-finite steps) is printed the same way; other exceptions
+     here are bugs and propagate.
+SIGINT/SIGTERM outside the training loop (which saves and stops by itself) prints
+`trainer.py: interrupted by SIG...` and returns 128 + the signal's number.
 """
 
 from __future__ import annotations
