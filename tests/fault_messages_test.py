@@ -18,18 +18,20 @@ How the faults are made, without root and without a test hook in the file-writin
     checkpoint writer included -- then fails with EFBIG, as a write to a full disk fails with
     ENOSPC; a tiny file system would need root to mount.
 
-Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 15,
+Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 16,
 all held: (1) an existing logdir and (2) a new logdir's parent not writable; (3) a full disk and
 (4) lost write permission mid-run; (5) an unreadable MT corpus file; (6) a corrupt and (7) an
 unreadable image stopping the run, and the same two (8, 9) skipped with skip_bad_files; resuming
 with another batch size, (10) recorded in the manifest and (11) not; Ctrl-C (12) at start-up,
-(13) twice at start-up, (14) twice during setup, (15) three times mid-run. 91 tried in all.
+(13) twice at start-up, (14) twice during setup, (15) three times mid-run; (16) a corrupt
+image in an evaluation split. 92 tried in all.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import json
 import os
 import resource
@@ -47,7 +49,7 @@ import reliability_models
 import tensorflow as tf
 from subprocesses import stop_processes
 
-from lingvo_lite.training import checkpointer, logdir_lock, loop, options
+from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "tests.testdata_models.TinyMlp"
@@ -324,10 +326,11 @@ class EvalBadImageTest(_FaultTestCase):
 class BatchSizeResumeTest(_FaultTestCase):
 
     def test_other_batch_size_refused_unless_input_position_reset(self) -> None:
-        first = os.path.join(self.root, "first")
-        status, _, err = _finish(_launch(f"--model={TINY}", f"--logdir={first}",
-                                         "--max_steps=4"))
-        self.assertEqual(status, 0, err)
+        first = os.path.join(self.root, "first")  # Set up in-process; the resumes are trainers.
+        err = io.StringIO()
+        status = runner.main(options.RunOptions(model=TINY, logdir=first, max_steps=4),
+                             out=io.StringIO(), err=err)
+        self.assertEqual(status, 0, err.getvalue())
         with open(_ckpt(first, 4) + ".manifest.json") as f:
             self.assertEqual(json.load(f)["input"], {"batch_size": 16})
         logdirs = {name: os.path.join(self.root, name) for name in ("refused", "old", "reset")}

@@ -393,10 +393,8 @@ class Trainer:
             if old != self._params_text:
                 self._print(f"Note: the params differ from the previous run's {params_path}:")
                 self._print(_line_diff(old, self._params_text))
-        with open(params_path, "w") as f:
-            f.write(self._params_text)
-        with open(os.path.join(self._logdir, ANALYSIS_FILE), "w") as f:
-            f.write(self._analysis_text)
+        _write_atomically(params_path, self._params_text)
+        _write_atomically(os.path.join(self._logdir, ANALYSIS_FILE), self._analysis_text)
         writers.text(TRAIN_SUBDIR, step, "params", self._params_text)
         writers.text(TRAIN_SUBDIR, step, "model_analysis", self._analysis_text)
 
@@ -616,6 +614,21 @@ class Trainer:
             self._print(f"eval {split} @ step {step}: " + _inline(metrics))
             results[split] = metrics
         return results
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Replaces `path` with `text`; on a failed write (a full disk) the old file stays whole."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if e.filename == tmp:
+            e.filename = path
+        raise
 
 
 def _input_error_message(input_generator: Any, error: tf.errors.OpError,
