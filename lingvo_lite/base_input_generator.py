@@ -110,6 +110,11 @@ class BaseInputGenerator:
         the dataset, or None when this input cannot tell (the error is then re-raised).
 
         Called by the trainer only after such an error, so it may be slow (e.g. scan files).
+
+        Example:
+          >>> gen = BaseInputGenerator.Params().Instantiate()
+          >>> gen.explain_data_error(tf.errors.NotFoundError(None, None, "x")) is None
+          True
         """
         del error
         return None

@@ -10,7 +10,9 @@ They live in `<logdir>/checkpoints/ckpt-<global step>`, managed by `tf.train.Che
 Integrity. TensorFlow writes a checkpoint's data into a temporary directory (`ckpt-N_temp/`),
 moves it into place and writes the `.index` last. After every save this module fsyncs the files
 and writes `ckpt-<step>.manifest.json` (sizes and SHA-256 of every file, written to a temporary
-name and renamed): the commit record of a whole, durable checkpoint.
+name and renamed): the commit record of a whole, durable checkpoint. It also records what the saved
+input position depends on (`"input": {"batch_size": N}`): a resume with another batch size is
+refused with advice (`InputPositionMismatchError`) instead of failing inside tf.data.
 
 Discovery. Checkpoints are found from their files (`candidate_checkpoints`: every `ckpt-N` with a
 manifest or an `.index`), never from TensorFlow's `checkpoint` state file, which is only a cache:
@@ -207,7 +209,11 @@ class CheckpointMismatchError(ValueError):
 
 
 class InputPositionMismatchError(ValueError):
-    """A checkpoint's input position was saved with other input params (e.g. batch size)."""
+    """A checkpoint's input position was saved with other input params (e.g. batch size).
+
+    Raised by `Checkpointer.restore`; the message says how to go on (see the README,
+    "Resuming and recovery").
+    """
 
 
 def _manifest_input(prefix: str) -> dict[str, Any] | None:

@@ -62,7 +62,12 @@ class _Stopping:
 
 
 def late_signals() -> list[int]:
-    """Signals received (and ignored) while the process was already stopping."""
+    """Signals received (and ignored) while the process was already stopping.
+
+    Example:
+      >>> late_signals()  # After a second Ctrl-C while stopping: [signal.SIGINT].
+      []
+    """
     return list(_Stopping.late)
 
 
@@ -111,7 +116,11 @@ def raise_on_signals(reset: bool = False) -> Iterator[None]:
 
 def raise_on_signals_for_process() -> None:
     """`raise_on_signals` for the rest of the process, for an entry point (trainer.py) to call
-    first: a signal during interpreter shutdown is then noted too, not a traceback."""
+    first: a signal during interpreter shutdown is then noted too, not a traceback.
+
+    Example (the first statement of a script's `if __name__ == "__main__":`):
+      >>> raise_on_signals_for_process()
+    """
     if _in_main_thread():
         for s in HANDLED_SIGNALS:
             signal.signal(s, _raise_once)

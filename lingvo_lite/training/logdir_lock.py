@@ -28,7 +28,13 @@ class LogdirInUseError(ValueError):
 
 
 class LogdirNotWritableError(ValueError):
-    """The log directory (or its parent, to create it) cannot be written."""
+    """The log directory (or its parent, to create it) cannot be written.
+
+    Example:
+      >>> e = LogdirNotWritableError("/runs/a", PermissionError(13, "Permission denied", "/runs"))
+      >>> str(e).startswith("--logdir=/runs/a: cannot write /runs (Permission denied); give")
+      True
+    """
 
     def __init__(self, logdir: str, error: OSError) -> None:
         path = error.filename or logdir

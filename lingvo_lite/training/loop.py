@@ -219,7 +219,7 @@ class _Rate:
         return rates
 
 
-class WriteFailedError(Exception):
+class _WriteFailedError(Exception):
     """Writing into the log directory failed (a full disk, lost permissions); see `_writing`."""
 
     def __init__(self, path: str, step: int, reason: str, reason_code: str) -> None:
@@ -227,7 +227,7 @@ class WriteFailedError(Exception):
         self.path, self.step, self.reason, self.reason_code = path, step, reason, reason_code
 
 
-class InputDataError(Exception):
+class _InputDataError(Exception):
     """The train input failed on its data mid-run; the message names the file and the fix."""
 
 
@@ -249,11 +249,11 @@ def _reason_code(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _writing(path: str, step: int):
-    """Turns an OSError or TensorFlow error of a write under `path` into WriteFailedError."""
+    """Turns an OSError or TensorFlow error of a write under `path` into _WriteFailedError."""
     try:
         yield
     except OSError as e:
-        raise WriteFailedError(e.filename or path, step, e.strerror or str(e),
+        raise _WriteFailedError(e.filename or path, step, e.strerror or str(e),
                                _reason_code(e)) from e
     except tf.errors.OpError as e:
         # "{{function_node ...}} /logdir/train/events...; File too large Failed to flush ...":
@@ -263,7 +263,7 @@ def _writing(path: str, step: int):
         known = [os.strerror(c) for c in _FULL_ERRNOS + _PERMISSION_ERRNOS
                  if os.strerror(c) in text]
         reason = known[0] if known else " ".join(text.split())[:200]
-        raise WriteFailedError(files[0] if files else path, step, reason,
+        raise _WriteFailedError(files[0] if files else path, step, reason,
                                _reason_code(e)) from e
 
 
@@ -421,14 +421,16 @@ class Trainer:
                 status = self._loop(writers, step, max_steps, self._signals)
             if self._signals.requested is not None:
                 interrupts.maybe_signal_self("stopped")
-        except WriteFailedError as e:
-            with contextlib.suppress(OSError, tf.errors.OpError):
-                writers.close()  # The disk may still be full: what it keeps is flushed.
+            with _writing(self._logdir, self.global_step):
+                writers.close()
+            return status
+        except _WriteFailedError as e:
             raise TrainingError(self._write_failure_message(e)) from None
-        except InputDataError as e:
+        except _InputDataError as e:
             raise TrainingError(f"{e} {self._last_checkpoint_text()}.") from None
-        writers.close()
-        return status
+        finally:
+            with contextlib.suppress(OSError, tf.errors.OpError):
+                writers.close()  # After an error (the disk may still be full); else a no-op.
 
     def _last_checkpoint_text(self) -> str:
         last = checkpointer.latest_checkpoint(self._logdir)
@@ -437,7 +439,7 @@ class Trainer:
         return (f"The last checkpoint {last} (global step {checkpointer.checkpoint_step(last)}) "
                 "is intact")
 
-    def _write_failure_message(self, e: WriteFailedError) -> str:
+    def _write_failure_message(self, e: _WriteFailedError) -> str:
         where = e.path
         while where and not os.path.exists(where):  # The directory that refused the file.
             where = os.path.dirname(where)
@@ -566,7 +568,7 @@ class Trainer:
                 message = _input_error_message(self._input_generator, e, None, False)
                 if message is None:
                     raise
-                raise InputDataError(message) from None
+                raise _InputDataError(message) from None
         if interrupts.TEST_SIGNAL_ENV in os.environ:  # Spares the step read otherwise.
             interrupts.maybe_signal_self(f"fetched:{self.global_step + 1}")
         return batch

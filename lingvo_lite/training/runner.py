@@ -63,7 +63,7 @@ def _main(options: RunOptions, out: TextIO, err: TextIO) -> int:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
         return 1
     except OSError as e:  # The environment (permissions, a full disk), not a bug.
-        print(f"trainer.py: error: {os_error_message(e)}", file=err, flush=True)
+        print(f"trainer.py: error: {_os_error_message(e)}", file=err, flush=True)
         return 1
     except KeyboardInterrupt as e:
         return _interrupted(e, " during setup", err)
@@ -76,7 +76,7 @@ def _main(options: RunOptions, out: TextIO, err: TextIO) -> int:
         return _interrupted(e, "", err, options)
 
 
-def os_error_message(e: OSError) -> str:
+def _os_error_message(e: OSError) -> str:
     """One line for an OSError of the environment: the path, the reason and what to check."""
     path = e.filename if e.filename is not None else "a file"
     reason = e.strerror or type(e).__name__

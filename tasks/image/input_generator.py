@@ -389,6 +389,7 @@ class ImageFolderInput(BaseImageInput):
 
     def _files(self) -> list[tuple[str, str]]:
         """(image path, class name) of every file of this split, in tfds' order."""
+        # tfds.ImageFolder's own file list (what its as_dataset reads); it has no public accessor.
         examples = self._builder._split_examples[self.params.folder_split[self.params.split]]
         return [(e.image_path, e.label) for e in examples]
 

@@ -70,10 +70,10 @@ def _read_lines(path: str) -> list[str]:
         with open(path, encoding="utf-8") as f:
             return [line.rstrip("\n").strip() for line in f]
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(unreadable_text_message(path, e)) from None
+        raise ValueError(_unreadable_text_message(path, e)) from None
 
 
-def unreadable_text_message(path: str, error: Exception) -> str:
+def _unreadable_text_message(path: str, error: Exception) -> str:
     """One line for a corpus file that exists but cannot be read."""
     if isinstance(error, UnicodeDecodeError):
         return (f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as "
