@@ -18,13 +18,14 @@ How the faults are made, without root and without a test hook in the file-writin
     checkpoint writer included -- then fails with EFBIG, as a write to a full disk fails with
     ENOSPC; a tiny file system would need root to mount.
 
-Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 16,
+Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 17,
 all held: (1) an existing logdir and (2) a new logdir's parent not writable; (3) a full disk and
 (4) lost write permission mid-run; (5) an unreadable MT corpus file; (6) a corrupt and (7) an
 unreadable image stopping the run, and the same two (8, 9) skipped with skip_bad_files; resuming
 with another batch size, (10) recorded in the manifest and (11) not; Ctrl-C (12) at start-up,
 (13) twice at start-up, (14) twice during setup, (15) three times mid-run; (16) a corrupt
-image in an evaluation split. 92 tried in all.
+image in an evaluation split; (17) a missing data file of an input that cannot name it. 93 tried
+in all.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import numpy as np
 import pytest
 import reliability_models
 import tensorflow as tf
+import testdata_models
 from subprocesses import stop_processes
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
@@ -315,6 +317,36 @@ class EvalBadImageTest(_FaultTestCase):
         message = str(raised.exception)
         self.assertIn(f"ImageFolderInput 'train': {corrupt} is not a readable image", message)
         self.assertIn("skip_bad_files : True", message)
+        self.assertNotIn("\n", message)
+
+
+class _RecordsInput(testdata_models.SyntheticInput):
+    """SyntheticInput read from a TFRecord file `path` (its records are ignored)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define("path", "", "The TFRecord file.")
+        return p
+
+    def _build_examples(self) -> tf.data.Dataset:
+        return tf.data.TFRecordDataset([self.params.path]).map(
+            lambda record: {"x": tf.zeros([testdata_models.INPUT_DIM]), "labels": 0})
+
+
+class GenericDataErrorTest(_FaultTestCase):
+
+    def test_input_without_explanation_quotes_tensorflow(self) -> None:
+        # An input that cannot name its bad file: TensorFlow's own reason, in one line.
+        missing = os.path.join(self.root, "no_such.tfrecord")
+        task = testdata_models.TinyMlp().Task().Instantiate()
+        params = _RecordsInput.Params().Set(name="dev", path=missing, repeat=False)
+        with self.assertRaises(options.TrainingError) as raised:
+            loop.evaluate_split(task, params)
+        message = str(raised.exception)
+        self.assertTrue(message.startswith("the input 'dev' could not read its data: "), message)
+        self.assertIn(missing, message)
+        self.assertIn("Check the files its params point to.", message)
         self.assertNotIn("\n", message)
 
 

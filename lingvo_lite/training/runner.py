@@ -72,6 +72,9 @@ def _main(options: RunOptions, out: TextIO, err: TextIO) -> int:
     except TrainingError as e:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
         return 1
+    except OSError as e:  # E.g. eval results that cannot be written.
+        print(f"trainer.py: error: {_os_error_message(e)}", file=err, flush=True)
+        return 1
     except KeyboardInterrupt as e:  # Outside the training loop, which saves and returns.
         return _interrupted(e, "", err, options)
 
