@@ -18,14 +18,14 @@ How the faults are made, without root and without a test hook in the file-writin
     checkpoint writer included -- then fails with EFBIG, as a write to a full disk fails with
     ENOSPC; a tiny file system would need root to mount.
 
-Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 17,
-all held: (1) an existing logdir and (2) a new logdir's parent not writable; (3) a full disk and
-(4) lost write permission mid-run; (5) an unreadable MT corpus file; (6) a corrupt and (7) an
-unreadable image stopping the run, and the same two (8, 9) skipped with skip_bad_files; resuming
-with another batch size, (10) recorded in the manifest and (11) not; Ctrl-C (12) at start-up,
-(13) twice at start-up, (14) twice during setup, (15) three times mid-run; (16) a corrupt
-image in an evaluation split; (17) a missing data file of an input that cannot name it. 93 tried
-in all.
+Bad inputs tried: issue 17's audit tried 76 (63 gave the promised one line). This file adds 18,
+all held: (1) an existing logdir and (2) a new logdir's parent not writable; mid-run (3) a full
+disk and lost write permission (4) on checkpoints/ and (5) on the whole logdir; (6) an unreadable
+MT corpus file; (7) a corrupt and (8) an unreadable image stopping the run, and the same two
+(9, 10) skipped with skip_bad_files; resuming with another batch size, (11) recorded in the
+manifest and (12) not; Ctrl-C (13) at start-up, (14) twice at start-up, (15) twice during setup,
+(16) three times mid-run; (17) a corrupt image in an evaluation split; (18) a missing data file
+of an input that cannot name it. 94 tried in all.
 """
 
 from __future__ import annotations
@@ -179,28 +179,35 @@ class UnwritableLogdirTest(_FaultTestCase):
 
 @pytest.mark.slow
 class WriteFailureMidRunTest(_FaultTestCase):
-    """Both trainers save ckpt-4, stop themselves after fetching the batch of step 7, get their
-    fault, and continue: the save of ckpt-8 (or an earlier summary write) fails."""
+    """Three trainers save ckpt-4, stop themselves after fetching the batch of step 7, get their
+    fault, and continue: the save of ckpt-8 (or an earlier summary write) fails. Two of them are
+    then resumed with the fault gone."""
 
     ARGS = ["--max_steps=12", "--model_params_override=train.save_interval_steps : 4; "
             "train.summary_interval_steps : 1; train.log_interval_steps : 1"]
+    READ_ONLY = stat.S_IRUSR | stat.S_IXUSR
 
     def test_full_disk_and_lost_permission(self) -> None:
-        logdirs = {name: os.path.join(self.root, name) for name in ("full", "denied")}
+        # full: the disk; denied: write permission on checkpoints/; read_only: on the whole
+        # logdir, so even the lock cannot be removed.
+        logdirs = {name: os.path.join(self.root, name)
+                   for name in ("full", "denied", "read_only")}
         procs = {name: _launch(f"--model={TINY}", f"--logdir={d}", *self.ARGS,
                                hook="fetched:7=SIGSTOP") for name, d in logdirs.items()}
         self.addCleanup(stop_processes, procs.values())
         kept = {}
         for name, proc in procs.items():
             _wait_until_stopped(proc)
-            ckpt_dir = os.path.join(logdirs[name], "checkpoints")
-            kept[name] = _hash_tree(ckpt_dir)
-            data = os.path.getsize(_ckpt(logdirs[name], 4) + ".data-00000-of-00001")
+            logdir = logdirs[name]
+            kept[name] = _hash_tree(os.path.join(logdir, "checkpoints"))
+            data = os.path.getsize(_ckpt(logdir, 4) + ".data-00000-of-00001")
             if name == "full":
                 # No file may grow past half a checkpoint: the next save cannot be written.
                 resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (data // 2, data // 2))
             else:
-                os.chmod(ckpt_dir, stat.S_IRUSR | stat.S_IXUSR)
+                os.chmod(os.path.join(logdir, "checkpoints"), self.READ_ONLY)
+            if name == "read_only":
+                os.chmod(logdir, self.READ_ONLY)
             os.kill(proc.pid, signal.SIGCONT)
         results = {name: _finish(proc) for name, proc in procs.items()}
         for name, logdir in logdirs.items():
@@ -214,14 +221,38 @@ class WriteFailureMidRunTest(_FaultTestCase):
                             f"make {logdir}/checkpoints writable again"))
             self.assertIn(f": {reason}. ", line)
             self.assertIn(fix, line)
+            os.chmod(logdir, 0o755)
             os.chmod(os.path.join(logdir, "checkpoints"), 0o755)
-            # ckpt-4 is untouched and whole; the lock is released.
+            # ckpt-4 is untouched and whole.
             now = _hash_tree(os.path.join(logdir, "checkpoints"))
             self.assertEqual({k: v for k, v in now.items() if k in kept[name]}, kept[name])
             self.assertIsNone(checkpointer.find_damage(last))
             self.assertEqual(int(tf.train.load_variable(last, checkpointer.GLOBAL_STEP_KEY)), 4)
             self.assertEqual(checkpointer.latest_checkpoint(logdir), last)
-            self.assertFalse(os.path.exists(os.path.join(logdir, logdir_lock.LOCK_FILE)))
+            lock = os.path.join(logdir, logdir_lock.LOCK_FILE)
+            if name == "read_only":
+                self.assertTrue(os.path.exists(lock))
+                self.assertIn(f"trainer.py: note: could not remove the lock {lock} (Permission "
+                              "denied); the next run takes it over", results[name][2])
+            else:
+                self.assertFalse(os.path.exists(lock))
+
+        # With the fault gone, the same command resumes from ckpt-4 (the stale lock is taken
+        # over) and the partial save's leftovers are gone.
+        resumed = {name: _launch(f"--model={TINY}", f"--logdir={logdirs[name]}", *self.ARGS)
+                   for name in ("full", "read_only")}
+        self.addCleanup(stop_processes, resumed.values())
+        for name, proc in resumed.items():
+            status, out, err = _finish(proc)
+            logdir = logdirs[name]
+            self.assertEqual(status, 0, err)
+            self.assertIn(f"Restored {_ckpt(logdir, 4)} (global step 4)", out)
+            self.assertIn("Done: global step 12", out)
+            if name == "read_only":
+                self.assertIn("taking over the stale lock", err)
+            self.assertEqual(checkpointer.latest_checkpoint(logdir), _ckpt(logdir, 12))
+            self.assertEqual([n for n in os.listdir(os.path.join(logdir, "checkpoints"))
+                              if "temp" in n or "tmp" in n], [])
 
 
 # ---------------------------------------------------------------------------------------------
