@@ -39,20 +39,24 @@ their registered models appear in list_models.
 TensorFlow's C++ start-up and INFO/WARNING logs are hidden unless --tf_logs is given or
 TF_CPP_MIN_LOG_LEVEL is set.
 
-A user error (unknown model or param, bad value, missing flag or directory) prints one line
-`trainer.py: error: ...` and exits with status 1.
+A user error (unknown model or param, bad value, missing flag or directory, a logdir or data file
+that cannot be read or written, a full disk) prints one line `trainer.py: error: ...` and exits
+with status 1. SIGINT (Ctrl-C) or SIGTERM during start-up prints one line and exits with status
+128 + the signal's number (README, "Resuming and recovery").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 
 from absl import app, flags
 from absl import logging as absl_logging
 
+from lingvo_lite.training import interrupts
 from lingvo_lite.training import options as options_lib
 
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
@@ -98,6 +102,12 @@ _DETERMINISTIC = flags.DEFINE_boolean(
     "deterministic", False,
     "Use TensorFlow's deterministic ops: a run resumed after a crash then ends with weights "
     "bit-identical to an uninterrupted run's (may be slower).")
+
+_RESET_INPUT_POSITION = flags.DEFINE_boolean(
+    "reset_input_position", False,
+    "Resume from the latest checkpoint's weights but start the train input from its beginning "
+    "instead of the checkpoint's input position; needed to resume with another "
+    "input.batch_size (a saved position only fits the batch size it was saved with).")
 
 _EQUIVALENCE_TOLERANCE = flags.DEFINE_float(
     "equivalence_tolerance", None,
@@ -145,6 +155,7 @@ def _options() -> options_lib.RunOptions:
         deterministic=_DETERMINISTIC.value,
         profile_steps=_PROFILE_STEPS.value,
         tpu=_TPU.value,
+        reset_input_position=_RESET_INPUT_POSITION.value,
         equivalence_tolerance=_EQUIVALENCE_TOLERANCE.value,
     )
 
@@ -161,6 +172,7 @@ def main(argv: list[str]) -> None:
         print(f"trainer.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     absl_logging.get_absl_logger().addFilter(_DropCheckpointTimings())
+    interrupts.maybe_signal_self("start")
     if not _TF_LOGS.value and TF_LOG_LEVEL_ENV not in os.environ:
         os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
         _import_tensorflow_quietly()
@@ -205,5 +217,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(1)
 
 
+def _run() -> None:
+    """app.run(main) with SIGINT/SIGTERM before setup (importing TensorFlow) as one line."""
+    interrupts.raise_on_signals_for_process()
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, interrupts.Interrupted) else signal.SIGINT
+        interrupts.maybe_signal_self("interrupted")
+        print(f"trainer.py: interrupted by {interrupts.signal_name(signum)} during start-up; "
+              "nothing was saved.", file=sys.stderr, flush=True)
+        if interrupts.late_signals():
+            late = sorted({interrupts.signal_name(s) for s in interrupts.late_signals()})
+            print(f"trainer.py: note: {', '.join(late)} received again while stopping; ignored.",
+                  file=sys.stderr, flush=True)
+        sys.exit(interrupts.exit_status(signum))
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    _run()

@@ -105,6 +105,20 @@ class BaseInputGenerator:
         """Number of examples in one pass over the data, or None if unknown."""
         return None
 
+    def explain_data_error(self, error: Exception) -> str | None:
+        """One line naming the bad data file and the fix for an error raised while iterating
+        the dataset, or None when this input cannot tell (the error is then re-raised).
+
+        Called by the trainer only after such an error, so it may be slow (e.g. scan files).
+
+        Example:
+          >>> gen = BaseInputGenerator.Params().Instantiate()
+          >>> gen.explain_data_error(tf.errors.NotFoundError(None, None, "x")) is None
+          True
+        """
+        del error
+        return None
+
     # ---- pipeline --------------------------------------------------------------------------------
 
     def dataset(self) -> tf.data.Dataset:

@@ -5,6 +5,8 @@
     and derive every random draw from checkpointed state. Its input's `nan_batches` lists the
     batches (0-based, counted over the whole stream) whose features are NaN.
   - `TinyMlpWide`: TinyMlp with a wider hidden layer (a checkpoint of one does not fit the other).
+  - `TinyImageFolderMlp`: TinyMlp on 2x2 grey images read by `ImageFolderInput` from the
+    `root_dir` given by `--input_params_override` (bad-image tests).
 
 Reached by fully-qualified path (`--model=tests.reliability_models.TinyMlpNoisy`) or, once this
 module is imported, by the registered names `reliability_models.TinyMlpNoisy` etc.
@@ -19,6 +21,7 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams, model_registry
 from lingvo_lite.layers import dropout
 from lingvo_lite.nested_map import NestedMap
+from tasks.image import input_generator as image_input
 
 try:  # Under pytest, tests/ is on sys.path; trainer.py imports this module as tests.*.
     import testdata_models
@@ -105,4 +108,39 @@ class TinyMlpWide(testdata_models.TinyMlp):
         fc1.proj.input_dim = 32
         fc1.proj.output_dim = 32
         loss.softmax.input_dim = 32
+        return p
+
+
+IMAGE_BATCH = 4
+IMAGE_FEATURES = 4  # 2 x 2 pixels, 1 channel.
+
+
+class ImageMlpTask(testdata_models.TinyMlpTask):
+    """TinyMlpTask on flattened images: x = image [B, 2 * 2 * 1], labels = label."""
+
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
+        x = tf.reshape(input_batch.image, [IMAGE_BATCH, IMAGE_FEATURES])
+        return NestedMap(x=x, labels=input_batch.label)
+
+
+@model_registry.register
+class TinyImageFolderMlp(testdata_models.TinyMlp):
+    """TinyMlp on a folder of images (`root_dir` set by --input_params_override)."""
+
+    def Train(self) -> hyperparams.Params:
+        return image_input.ImageFolderInput.Params().Set(
+            name="train", split="train", batch_size=IMAGE_BATCH, image_size=2, num_channels=1,
+            augment=False, shuffle_buffer_size=64)
+
+    def Dev(self) -> hyperparams.Params:
+        return model_registry.SingleTaskModelParams.Dev(self)
+
+    def Task(self) -> hyperparams.InstantiableParams:
+        p = super().Task()
+        p.cls = ImageMlpTask
+        fc0 = p.network.layers[0]
+        fc0.proj.input_dim = IMAGE_FEATURES
+        p.network.input_shapes = NestedMap(
+            x=tf.TensorShape([IMAGE_BATCH, IMAGE_FEATURES]),
+            labels=tf.TensorShape([IMAGE_BATCH]))
         return p

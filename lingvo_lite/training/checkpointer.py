@@ -10,7 +10,9 @@ They live in `<logdir>/checkpoints/ckpt-<global step>`, managed by `tf.train.Che
 Integrity. TensorFlow writes a checkpoint's data into a temporary directory (`ckpt-N_temp/`),
 moves it into place and writes the `.index` last. After every save this module fsyncs the files
 and writes `ckpt-<step>.manifest.json` (sizes and SHA-256 of every file, written to a temporary
-name and renamed): the commit record of a whole, durable checkpoint.
+name and renamed): the commit record of a whole, durable checkpoint. It also records what the saved
+input position depends on (`"input": {"batch_size": N}`): a resume with another batch size is
+refused with advice (`InputPositionMismatchError`) instead of failing inside tf.data.
 
 Discovery. Checkpoints are found from their files (`candidate_checkpoints`: every `ckpt-N` with a
 manifest or an `.index`), never from TensorFlow's `checkpoint` state file, which is only a cache:
@@ -97,14 +99,20 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write_manifest(prefix: str) -> str:
-    """Fsyncs the checkpoint's files, then atomically writes its manifest; returns its path."""
+def write_manifest(prefix: str, input_info: dict[str, Any] | None = None) -> str:
+    """Fsyncs the checkpoint's files, then atomically writes its manifest; returns its path.
+
+    `input_info` (e.g. `{"batch_size": 16}`) describes the input whose position the checkpoint
+    holds; `restore` compares it with the current input.
+    """
     files = checkpoint_files(prefix)
     entries = {}
     for path in files:
         _fsync(path)
         entries[os.path.basename(path)] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
     manifest = {"checkpoint": os.path.basename(prefix), "files": entries}
+    if input_info:
+        manifest["input"] = dict(input_info)
     path = manifest_path(prefix)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -200,6 +208,24 @@ class CheckpointMismatchError(ValueError):
         self.detail = detail  # TensorFlow's first line, for a warning.
 
 
+class InputPositionMismatchError(ValueError):
+    """A checkpoint's input position was saved with other input params (e.g. batch size).
+
+    Raised by `Checkpointer.restore`; the message says how to go on (see the README,
+    "Resuming and recovery").
+    """
+
+
+def _manifest_input(prefix: str) -> dict[str, Any] | None:
+    """The `input` entry of a checkpoint's manifest, or None (no manifest, or an older one)."""
+    try:
+        with open(manifest_path(prefix)) as f:
+            info = json.load(f).get("input")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints.
 
@@ -210,10 +236,16 @@ class Checkpointer:
       max_to_keep: how many checkpoints to keep (>= 1).
       warn: called with a one-line message for each unusable checkpoint skipped at restore and
         for each one moved aside at the first save.
+      input_info: what the iterator's position depends on, e.g. `{"batch_size": 16}`; written
+        to each manifest, and a checkpoint saved with other values is not restored.
+      restore_input_position: False restores the weights only and starts the iterator from its
+        beginning (`--reset_input_position`).
     """
 
     def __init__(self, logdir: str, variables: dict[str, tf.Variable], iterator: Any = None,
-                 max_to_keep: int = 5, warn: Callable[[str], None] | None = None) -> None:
+                 max_to_keep: int = 5, warn: Callable[[str], None] | None = None,
+                 input_info: dict[str, Any] | None = None,
+                 restore_input_position: bool = True) -> None:
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"train.max_checkpoints_to_keep={max_to_keep!r} must be an int >= 1 "
                              "(the newest checkpoint is always kept).")
@@ -222,7 +254,12 @@ class Checkpointer:
         if iterator is not None:
             items["iterator"] = iterator
         self._checkpoint = tf.train.Checkpoint(**items)
-        self._partial = iterator is None
+        self._input_info = dict(input_info or {}) if iterator is not None else {}
+        # Restores the weights alone when the input position is not wanted.
+        self._restore_checkpoint = (self._checkpoint if restore_input_position or iterator is None
+                                    else tf.train.Checkpoint(model=dict(variables)))
+        self._partial = self._restore_checkpoint is not self._checkpoint or iterator is None
+        self.restored_input_position = False  # Whether the last restore set the iterator.
         self._manager: tf.train.CheckpointManager | None = None
         self._max_to_keep = max_to_keep
         self._last_saved_step: int | None = None
@@ -357,8 +394,19 @@ class Checkpointer:
         Raises:
           CheckpointMismatchError: it lacks a variable of this model or holds another shape.
         """
+        saved_input = _manifest_input(path)
+        if not self._partial and saved_input is not None:
+            for key, value in sorted(self._input_info.items()):
+                if key in saved_input and saved_input[key] != value:
+                    raise InputPositionMismatchError(
+                        f"checkpoint {path} holds the input position of input.{key}="
+                        f"{saved_input[key]!r}, but this run has input.{key}={value!r}: a saved "
+                        f"position only fits the input it was saved with. Resume with input.{key}"
+                        f"={saved_input[key]!r}, or start a new run with a new --logdir, or keep "
+                        "the weights and restart the input from its beginning with "
+                        "--reset_input_position.")
         try:
-            status = self._checkpoint.restore(path)
+            status = self._restore_checkpoint.restore(path)
             status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as e:
             first = str(e).strip().splitlines()[0][:300]
@@ -368,6 +416,7 @@ class Checkpointer:
                 "(see params.txt in the logdir).", first) from None
         if self._partial:
             status.expect_partial()
+        self.restored_input_position = not self._partial
         self._last_saved_step = checkpoint_step(path)
 
     def save(self, step: int) -> str | None:
@@ -381,7 +430,7 @@ class Checkpointer:
         manager = self._get_manager()
         path = manager.save(checkpoint_number=step)
         interrupts.maybe_signal_self(f"saving:{step}")
-        write_manifest(path)
+        write_manifest(path, self._input_info)
         for stale in glob.glob(os.path.join(glob.escape(self.directory),
                                             "ckpt-*" + MANIFEST_SUFFIX)):
             if not os.path.exists(stale[: -len(MANIFEST_SUFFIX)] + INDEX_SUFFIX):

@@ -12,6 +12,8 @@ hand; the error says so. Evaluation does not take the lock (it may run beside a 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -23,6 +25,28 @@ LOCK_FILE = "trainer.lock"
 
 class LogdirInUseError(ValueError):
     """Another live trainer holds the log directory."""
+
+
+class LogdirNotWritableError(ValueError):
+    """The log directory (or its parent, to create it) cannot be written.
+
+    Example:
+      >>> e = LogdirNotWritableError("/runs/a", PermissionError(13, "Permission denied", "/runs"))
+      >>> str(e).startswith("--logdir=/runs/a: cannot write /runs (Permission denied); give")
+      True
+    """
+
+    def __init__(self, logdir: str, error: OSError) -> None:
+        path = error.filename or logdir
+        reason = error.strerror or type(error).__name__
+        if error.errno in (errno.EACCES, errno.EPERM):
+            fix = (f"give your user write access (e.g. chmod u+w {path}) or choose another "
+                   "--logdir")
+        elif error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free disk space or choose a --logdir on another disk"
+        else:
+            fix = "choose another --logdir"
+        super().__init__(f"--logdir={logdir}: cannot write {path} ({reason}); {fix}.")
 
 
 def _proc_start_ticks(pid: int) -> int | None:
@@ -77,6 +101,7 @@ class LogdirLock:
         self.path = os.path.join(logdir, LOCK_FILE)
         self._record: dict | None = None
         self._created_logdir = False
+        self.release_error: str | None = None  # Why `release` could not remove the lock.
 
     def acquire(self, note: Callable[[str], None] | None = None) -> None:
         """Takes the lock; a stale lock is replaced (reported through `note`).
@@ -86,7 +111,10 @@ class LogdirLock:
         """
         note = note or (lambda msg: None)
         if not os.path.isdir(self._logdir):
-            os.makedirs(self._logdir)
+            try:
+                os.makedirs(self._logdir)
+            except OSError as e:
+                raise LogdirNotWritableError(self._logdir, e) from None
             self._created_logdir = True
         record = _owner_record()
         for _ in range(3):
@@ -104,10 +132,17 @@ class LogdirLock:
                 except FileNotFoundError:
                     pass
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-                f.flush()
-                os.fsync(f.fileno())
+            except OSError as e:
+                raise LogdirNotWritableError(self._logdir, e) from None
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:  # A full disk: leave no empty lock file behind.
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+                raise LogdirNotWritableError(self._logdir, e) from None
             self._record = record
             return
         raise LogdirInUseError(f"--logdir={self._logdir}: could not take the lock {self.path}; "
@@ -146,7 +181,12 @@ class LogdirLock:
         except (OSError, ValueError):
             ours = False
         if ours:
-            os.remove(self.path)
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # E.g. write permission on the logdir lost mid-run.
+                self.release_error = f"could not remove the lock {self.path} ({e.strerror})"
         self._record = None
         if self._created_logdir:
             self._created_logdir = False

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -99,7 +101,8 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
     sums: dict[str, float] = {}
     total = 0
     num_batches = 0
-    for batch in input_params.Instantiate().dataset():
+    input_generator = input_params.Instantiate()
+    for batch in _explained(input_generator, iter(input_generator.dataset())):
         if max_batches and num_batches >= max_batches:
             break
         if should_stop is not None and should_stop():
@@ -118,6 +121,21 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
     out["num_examples_evaluated"] = total
     out["num_batches"] = num_batches
     return out
+
+
+def _explained(input_generator: Any, iterator: Any) -> Any:
+    """Yields from `iterator`; a data error is raised as a one-line TrainingError."""
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except tf.errors.OpError as e:
+            message = _input_error_message(input_generator, e, None, False)
+            if message is None:
+                raise
+            raise TrainingError(message) from None
+        yield batch
 
 
 def write_eval_results(logdir: str, split: str, step: int, metrics: dict[str, Any],
@@ -201,6 +219,54 @@ class _Rate:
         return rates
 
 
+class _WriteFailedError(Exception):
+    """Writing into the log directory failed (a full disk, lost permissions); see `_writing`."""
+
+    def __init__(self, path: str, step: int, reason: str, reason_code: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.step, self.reason, self.reason_code = path, step, reason, reason_code
+
+
+class _InputDataError(Exception):
+    """The train input failed on its data mid-run; the message names the file and the fix."""
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _reason_code(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        code = error.errno
+    else:  # TensorFlow's C++ file system: the reason is in the text.
+        text = str(error)
+        code = next((c for c in _FULL_ERRNOS + _PERMISSION_ERRNOS
+                     if os.strerror(c) in text), None)
+    if code in _FULL_ERRNOS:
+        return "full"
+    return "permission" if code in _PERMISSION_ERRNOS else "other"
+
+
+@contextlib.contextmanager
+def _writing(path: str, step: int):
+    """Turns an OSError or TensorFlow error of a write under `path` into _WriteFailedError."""
+    try:
+        yield
+    except OSError as e:
+        raise _WriteFailedError(e.filename or path, step, e.strerror or str(e),
+                               _reason_code(e)) from e
+    except tf.errors.OpError as e:
+        # "{{function_node ...}} /logdir/train/events...; File too large Failed to flush ...":
+        # name the file under `path` and the system's reason when the text has them.
+        text = re.sub(r"\{\{[^}]*\}\}", "", str(e.message))
+        files = re.findall(re.escape(path) + r"[^\s;:'\"]*", text)
+        known = [os.strerror(c) for c in _FULL_ERRNOS + _PERMISSION_ERRNOS
+                 if os.strerror(c) in text]
+        reason = known[0] if known else " ".join(text.split())[:200]
+        raise _WriteFailedError(files[0] if files else path, step, reason,
+                               _reason_code(e)) from e
+
+
 class Trainer:
     """One training run of a task in a log directory (see the module docstring)."""
 
@@ -228,6 +294,7 @@ class Trainer:
         self.profiler = None  # A profiling.StepProfiler, set by the runner for --profile_steps.
         self._warned_trace_count = 1
         self._pending_batch: NestedMap | None = first_batch
+        self._input_generator: Any = None  # Explains data errors mid-run (set by `build`).
         self._signals: interrupts.StopSignals | None = None  # Set while `run` trains.
         self._eval_step = compile_step(task.EvalStep)
 
@@ -247,10 +314,13 @@ class Trainer:
     def build(cls, *, task_params: hyperparams.InstantiableParams, logdir: str,
               params_text: str, analysis_text: str, eval_spec: EvalSpec | None = None,
               out: TextIO, err: TextIO | None = None,
-              strategy: tf.distribute.Strategy | None = None) -> Trainer:
+              strategy: tf.distribute.Strategy | None = None,
+              reset_input_position: bool = False) -> Trainer:
         """Builds task, input, checkpointer (restoring the latest checkpoint) and train step.
 
-        Writes nothing: errors raised here leave the log directory untouched.
+        Writes nothing: errors raised here leave the log directory untouched. A checkpoint
+        whose input position was saved with another `input.batch_size` is refused (ValueError)
+        unless `reset_input_position`, which restores the weights and restarts the input.
 
         With a `strategy` (a TPUStrategy: see pipeline/tpu.py) the task and its variables are
         built in its scope, each batch of the input is split over its replicas, and every
@@ -261,7 +331,8 @@ class Trainer:
             raise ValueError("The task params have no train input (p.input is None); a model's "
                              "Model() attaches Train() as p.input.")
         check_train_params(task_params.train)
-        dataset = task_params.input.Instantiate().dataset()
+        input_generator = task_params.input.Instantiate()
+        dataset = input_generator.dataset()
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             task = task_params.Instantiate()
             task.prepare_for_training()
@@ -278,8 +349,13 @@ class Trainer:
 
         ckpt = checkpointer.Checkpointer(
             logdir, variables, iterator if strategy is None else None,
-            max_to_keep=task.params.train.max_checkpoints_to_keep, warn=warn)
+            max_to_keep=task.params.train.max_checkpoints_to_keep, warn=warn,
+            input_info={"batch_size": task_params.input.batch_size},
+            restore_input_position=not reset_input_position)
         restored = ckpt.restore_latest()
+        if restored and reset_input_position:
+            print(f"Note: --reset_input_position: restored the weights of {restored}; the train "
+                  "input starts from its beginning.", file=out, flush=True)
         interrupts.maybe_signal_self("setup")
         task.sync_replicas()  # Data-parallel replicas start from the restored weights.
         try:
@@ -288,10 +364,18 @@ class Trainer:
             raise ValueError(
                 "The train input yields no batch; check its params (e.g. batch_size larger than "
                 "the data with drop_remainder=True).") from None
-        return cls(task=task, iterator=iterator, first_batch=first_batch,
-                   logdir=logdir, ckpt=ckpt, restored_from=restored, params_text=params_text,
-                   analysis_text=analysis_text, eval_spec=eval_spec, out=out, err=err,
-                   skipped_updates=skipped_updates, strategy=strategy)
+        except tf.errors.OpError as e:
+            message = _input_error_message(input_generator, e, restored,
+                                           ckpt.restored_input_position)
+            if message is None:
+                raise
+            raise ValueError(message) from None
+        trainer = cls(task=task, iterator=iterator, first_batch=first_batch,
+                      logdir=logdir, ckpt=ckpt, restored_from=restored, params_text=params_text,
+                      analysis_text=analysis_text, eval_spec=eval_spec, out=out, err=err,
+                      skipped_updates=skipped_updates, strategy=strategy)
+        trainer._input_generator = input_generator
+        return trainer
 
     @property
     def global_step(self) -> int:
@@ -309,10 +393,8 @@ class Trainer:
             if old != self._params_text:
                 self._print(f"Note: the params differ from the previous run's {params_path}:")
                 self._print(_line_diff(old, self._params_text))
-        with open(params_path, "w") as f:
-            f.write(self._params_text)
-        with open(os.path.join(self._logdir, ANALYSIS_FILE), "w") as f:
-            f.write(self._analysis_text)
+        _write_atomically(params_path, self._params_text)
+        _write_atomically(os.path.join(self._logdir, ANALYSIS_FILE), self._analysis_text)
         writers.text(TRAIN_SUBDIR, step, "params", self._params_text)
         writers.text(TRAIN_SUBDIR, step, "model_analysis", self._analysis_text)
 
@@ -334,10 +416,38 @@ class Trainer:
         writers = summaries.SummaryWriters(self._logdir, first_step=step + 1)
         try:
             with interrupts.StopSignals() as self._signals:
-                self._write_run_files(writers, step)
-                return self._loop(writers, step, max_steps, self._signals)
+                with _writing(self._logdir, step):
+                    self._write_run_files(writers, step)
+                status = self._loop(writers, step, max_steps, self._signals)
+            if self._signals.requested is not None:
+                interrupts.maybe_signal_self("stopped")
+            with _writing(self._logdir, self.global_step):
+                writers.close()
+            return status
+        except _WriteFailedError as e:
+            raise TrainingError(self._write_failure_message(e)) from None
+        except _InputDataError as e:
+            raise TrainingError(f"{e} {self._last_checkpoint_text()}.") from None
         finally:
-            writers.close()
+            with contextlib.suppress(OSError, tf.errors.OpError):
+                writers.close()  # After an error (the disk may still be full); else a no-op.
+
+    def _last_checkpoint_text(self) -> str:
+        last = checkpointer.latest_checkpoint(self._logdir)
+        if last is None:
+            return "No checkpoint was written"
+        return (f"The last checkpoint {last} (global step {checkpointer.checkpoint_step(last)}) "
+                "is intact")
+
+    def _write_failure_message(self, e: _WriteFailedError) -> str:
+        where = e.path
+        while where and not os.path.exists(where):  # The directory that refused the file.
+            where = os.path.dirname(where)
+        fix = ("free disk space" if e.reason_code == "full" else
+               f"make {where} writable again" if e.reason_code == "permission" else
+               f"make sure {where} can be written")
+        return (f"writing {e.path} failed at step {e.step}: {e.reason}. "
+                f"{self._last_checkpoint_text()}; {fix}, then rerun the same command to resume.")
 
     def _loop(self, writers: summaries.SummaryWriters, step: int, max_steps: int,
               signals: interrupts.StopSignals) -> int:
@@ -382,7 +492,8 @@ class Trainer:
                     values.update(steps_per_sec=steps_per_sec,
                                   examples_per_sec=examples_per_sec)
                 if summarize:
-                    writers.scalars(TRAIN_SUBDIR, step, values)
+                    with _writing(os.path.join(self._logdir, TRAIN_SUBDIR), step):
+                        writers.scalars(TRAIN_SUBDIR, step, values)
                 if log:
                     self._progress(step, max_steps, values, steps_per_sec)
             paused = False
@@ -451,7 +562,13 @@ class Trainer:
         if self._pending_batch is not None:
             batch, self._pending_batch = self._pending_batch, None
         else:
-            batch = next(self._iterator)
+            try:
+                batch = next(self._iterator)
+            except tf.errors.OpError as e:
+                message = _input_error_message(self._input_generator, e, None, False)
+                if message is None:
+                    raise
+                raise _InputDataError(message) from None
         if interrupts.TEST_SIGNAL_ENV in os.environ:  # Spares the step read otherwise.
             interrupts.maybe_signal_self(f"fetched:{self.global_step + 1}")
         return batch
@@ -474,8 +591,10 @@ class Trainer:
                     f"{steps_per_sec:.2f} steps/s  ETA {_format_duration(eta)}")
 
     def _save(self, step: int, writers: summaries.SummaryWriters) -> None:
-        writers.flush()
-        path = self._ckpt.save(step)
+        with _writing(self._logdir, step):
+            writers.flush()
+        with _writing(self._ckpt.directory, step):
+            path = self._ckpt.save(step)
         if path:
             self._print(f"Saved checkpoint {path}")
 
@@ -492,10 +611,54 @@ class Trainer:
             except EvalStoppedError:
                 self._print(f"eval {split} @ step {step}: abandoned (stop signal received).")
                 break
-            write_eval_results(self._logdir, split, step, metrics, writers)
+            with _writing(os.path.join(self._logdir, eval_subdir(split)), step):
+                write_eval_results(self._logdir, split, step, metrics, writers)
             self._print(f"eval {split} @ step {step}: " + _inline(metrics))
             results[split] = metrics
         return results
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Replaces `path` with `text`; on a failed write (a full disk) the old file stays whole."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if e.filename == tmp:
+            e.filename = path
+        raise
+
+
+def _input_error_message(input_generator: Any, error: tf.errors.OpError,
+                         restored: str | None, restored_position: bool) -> str | None:
+    """One line for an error of an input's data, or None when it is not one.
+
+    The input generator names a bad file if it can (`explain_data_error`); an input position
+    restored from a checkpoint that yields batches of another shape means the input params
+    changed (a checkpoint written before batch sizes were recorded in its manifest).
+    """
+    explain = getattr(input_generator, "explain_data_error", None)
+    message = explain(error) if explain is not None else None
+    if message:
+        return message
+    text = " ".join(re.sub(r"\{\{[^}]*\}\}", "", str(error.message)).split())
+    if restored and restored_position and isinstance(error, tf.errors.InvalidArgumentError) \
+            and "Incompatible shapes" in text:
+        return (f"the input position restored from {restored} yields batches of another shape "
+                f"than this input ({text[:120]}): were input params such as input.batch_size "
+                "changed? Resume with the params of the run that saved it (params.txt in the "
+                "logdir), start a new run with a new --logdir, or keep the weights and restart "
+                "the input with --reset_input_position.")
+    if isinstance(error, (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+                          tf.errors.DataLossError)):
+        name = getattr(getattr(input_generator, "params", None), "name", "input")
+        return (f"the input {name!r} could not read its data: {text[:300]}. Check the files "
+                "its params point to.")
+    return None
 
 
 def _replicated_train_step(strategy: tf.distribute.Strategy, task: base_task.BaseTask,

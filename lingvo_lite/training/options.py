@@ -60,6 +60,10 @@ class RunOptions:
       equivalence_tolerance: check_equivalence fails when the loss or a gradient differs by
         more than this (relative; see `equivalence.relative_difference`); None =
         `equivalence.DEFAULT_TOLERANCE`.
+      reset_input_position: resume from the latest checkpoint's weights but start the train
+        input from its beginning instead of the checkpoint's input position (needed after
+        changing `input.batch_size`: a saved position only fits the batch size it was saved
+        with). The run then no longer sees the same batches as an uninterrupted one.
       tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
         TPUStrategy, cell k on core k of each replica; None = no TPU unless a
         PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
@@ -84,6 +88,7 @@ class RunOptions:
     deterministic: bool = False
     profile_steps: str = ""
     tpu: str | None = None
+    reset_input_position: bool = False
     equivalence_tolerance: float | None = None
 
     def validate(self) -> None:
@@ -101,8 +106,12 @@ class RunOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("max_steps", self.max_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        if not isinstance(self.deterministic, bool):
-            raise UsageError(f"--deterministic={self.deterministic!r} must be true or false.")
+        for name in ("deterministic", "reset_input_position"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"--{name}={getattr(self, name)!r} must be true or false.")
+        if self.reset_input_position and self.mode not in TRAIN_MODES:
+            raise UsageError(f"--reset_input_position only applies to training, not "
+                             f"--mode={self.mode}; drop it.")
         for k in self.inspect_num_cells:
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
                 raise UsageError(
@@ -136,6 +145,13 @@ class RunOptions:
             raise UsageError(
                 f"--logdir: parent directory {parent} does not exist; create it first "
                 f"(mkdir -p {parent}) or choose another --logdir.")
+        # Every mode with a logdir writes there (checkpoints, summaries, eval results).
+        target = logdir if os.path.isdir(logdir) else parent
+        if not os.access(target, os.W_OK | os.X_OK):
+            what = "" if target == logdir else f" (its parent, to create {logdir})"
+            raise UsageError(
+                f"--logdir={self.logdir}: {target}{what} is not writable by this user; give "
+                f"write access (e.g. chmod u+w {target}) or choose another --logdir.")
 
     @property
     def abs_logdir(self) -> str:

@@ -6,14 +6,18 @@ Each invocation has two phases:
      Nothing is written to the log directory but the layer-time cache of
      partition_cost='measured' pipelines (`layer_profile.json`). A user error here
      (`ValueError` -- including `UsageError` --, `KeyError`, `AttributeError`,
-     `FileNotFoundError`) is printed as
-     `trainer.py: error: <message>` and `main` returns 1, without a traceback.
-  2. the job: train / evaluate / print. Exceptions here are bugs and propagate.
+     `FileNotFoundError`) or an `OSError` of the environment (permissions, a full disk) is
+     printed as `trainer.py: error: <message>` and `main` returns 1, without a traceback.
+  2. the job: train / evaluate / print. A `TrainingError` (a write that failed mid-run, bad
+     data met mid-run, too many non-finite steps) is printed the same way; other exceptions
+     here are bugs and propagate.
+SIGINT/SIGTERM outside the training loop (which saves and stops by itself) prints
+`trainer.py: interrupted by SIG...` and returns 128 + the signal's number.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import re
 import signal
 import sys
@@ -37,13 +41,30 @@ def _message(e: BaseException) -> str:
 
 
 def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Runs one trainer invocation; returns the process exit status."""
+    """Runs one trainer invocation; returns the process exit status.
+
+    SIGINT and SIGTERM raise `Interrupted` during setup and outside the training loop, which
+    stops at a step boundary itself; after the first, further signals are only noted.
+    """
     out = out or sys.stdout
     err = err or sys.stderr
+    with interrupts.raise_on_signals(reset=True):
+        status = _main(options, out, err)
+        late = sorted({interrupts.signal_name(s) for s in interrupts.late_signals()})
+        if late:
+            print(f"trainer.py: note: {', '.join(late)} received again while stopping; "
+                  "ignored.", file=err, flush=True)
+        return status
+
+
+def _main(options: RunOptions, out: TextIO, err: TextIO) -> int:
     try:
         job = prepare(options, out, err)
     except USER_ERRORS as e:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
+        return 1
+    except OSError as e:  # The environment (permissions, a full disk), not a bug.
+        print(f"trainer.py: error: {_os_error_message(e)}", file=err, flush=True)
         return 1
     except KeyboardInterrupt as e:
         return _interrupted(e, " during setup", err)
@@ -52,14 +73,38 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
     except TrainingError as e:
         print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
         return 1
+    except OSError as e:  # E.g. eval results that cannot be written.
+        print(f"trainer.py: error: {_os_error_message(e)}", file=err, flush=True)
+        return 1
     except KeyboardInterrupt as e:  # Outside the training loop, which saves and returns.
-        return _interrupted(e, "", err)
+        return _interrupted(e, "", err, options)
 
 
-def _interrupted(e: KeyboardInterrupt, when: str, err: TextIO) -> int:
+def _os_error_message(e: OSError) -> str:
+    """One line for an OSError of the environment: the path, the reason and what to check."""
+    path = e.filename if e.filename is not None else "a file"
+    reason = e.strerror or type(e).__name__
+    fix = {errno.EACCES: "fix its permissions or run as a user who may access it",
+           errno.EPERM: "fix its permissions or run as a user who may access it",
+           errno.EROFS: "the file system is read-only; choose a writable location",
+           errno.ENOSPC: "free disk space",
+           errno.EDQUOT: "free space within your disk quota"}.get(e.errno, "check it")
+    return f"cannot access {path}: {reason}; {fix}."
+
+
+def _interrupted(e: KeyboardInterrupt, when: str, err: TextIO,
+                 options: RunOptions | None = None) -> int:
     signum = e.signum if isinstance(e, interrupts.Interrupted) else signal.SIGINT
-    print(f"trainer.py: interrupted by {interrupts.signal_name(signum)}{when}; nothing was "
-          "saved.", file=err, flush=True)
+    interrupts.maybe_signal_self("interrupted")
+    saved = "nothing was saved"
+    if options is not None and options.mode in TRAIN_MODES and options.logdir:
+        from lingvo_lite.training import checkpointer
+
+        latest = checkpointer.latest_checkpoint(options.abs_logdir)
+        if latest:
+            saved = f"the last checkpoint {latest} is intact"
+    print(f"trainer.py: interrupted by {interrupts.signal_name(signum)}{when}; {saved}.",
+          file=err, flush=True)
     return interrupts.exit_status(signum)
 
 
@@ -370,20 +415,14 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
     """
     from lingvo_lite.training import logdir_lock
 
-    # While the lock is held, SIGTERM raises like SIGINT (the default would kill the process and
-    # leave the lock behind); the training loop itself stops at a step boundary instead.
-    signals = contextlib.ExitStack()
-    signals.enter_context(interrupts.raise_on_signals())
+    # SIGINT and SIGTERM raise here (main's raise_on_signals; the default SIGTERM would kill the
+    # process and leave the lock behind); the training loop itself stops at a step boundary.
     lock = logdir_lock.LogdirLock(logdir)
+    lock.acquire(note=lambda msg: print(f"trainer.py: note: {msg}", file=err, flush=True))
     try:
-        lock.acquire(note=lambda msg: print(f"trainer.py: note: {msg}", file=err, flush=True))
-        try:
-            job = prepare_job()
-        except BaseException:
-            lock.release()
-            raise
+        job = prepare_job()
     except BaseException:
-        signals.close()
+        lock.release()
         raise
 
     def locked_job() -> int:
@@ -391,7 +430,9 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
             return job()
         finally:
             lock.release()
-            signals.close()
+            if lock.release_error:
+                print(f"trainer.py: note: {lock.release_error}; the next run takes it over "
+                      "(its owner is gone).", file=err, flush=True)
 
     return locked_job
 
@@ -419,7 +460,8 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
     trainer = loop.Trainer.build(
         task_params=task_params, logdir=logdir, params_text=task_params.ToText(),
         analysis_text=analysis.describe_model(config.name, task_params),
-        eval_spec=eval_spec, out=out, err=err, strategy=strategy)
+        eval_spec=eval_spec, out=out, err=err, strategy=strategy,
+        reset_input_position=options.reset_input_position)
     if options.profile_steps:
         from lingvo_lite.training import profiling
 

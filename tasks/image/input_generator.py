@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from absl import logging
 
 from lingvo_lite import base_input_generator, hyperparams
 from lingvo_lite.nested_map import NestedMap
@@ -333,6 +335,12 @@ class ImageFolderInput(BaseImageInput):
             "folder_split", {"train": "train", "dev": "dev", "test": "test"},
             "Maps split ('train'/'dev'/'test') to its sub-folder of root_dir.",
         )
+        p.Define(
+            "skip_bad_files", False,
+            "Skip image files that cannot be read or decoded (one warning line per file and a "
+            "count) instead of stopping with an error naming the first one. Checking costs one "
+            "read and decode of every image of the split when the dataset is built.",
+        )
         return p
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
@@ -363,6 +371,11 @@ class ImageFolderInput(BaseImageInput):
                 f"ImageFolderInput: folder_split must be a dict with an entry for split "
                 f"{p.split!r}, got {p.folder_split!r}."
             )
+        if not isinstance(p.skip_bad_files, bool):
+            raise ValueError(
+                f"ImageFolderInput: skip_bad_files must be True or False, got "
+                f"{p.skip_bad_files!r}."
+            )
 
     def class_names(self) -> list[str]:
         """Class-folder names; label i is class_names()[i]."""
@@ -374,7 +387,66 @@ class ImageFolderInput(BaseImageInput):
     def num_examples(self) -> int:
         return self._num_examples
 
+    def _files(self) -> list[tuple[str, str]]:
+        """(image path, class name) of every file of this split, in tfds' order."""
+        # tfds.ImageFolder's own file list (what its as_dataset reads); it has no public accessor.
+        examples = self._builder._split_examples[self.params.folder_split[self.params.split]]
+        return [(e.image_path, e.label) for e in examples]
+
+    def _file_problem(self, path: str) -> str | None:
+        """Why `path` cannot be read or decoded as tfds decodes it, or None."""
+        try:
+            data = tf.io.read_file(path)
+            self._builder.info.features["image"].decode_example(data)
+        except tf.errors.OpError as e:
+            text = " ".join(re.sub(r"\{\{[^}]*\}\}", "", str(e.message)).split())
+            return f"{type(e).__name__}: {text[:120]}"
+        return None
+
+    def _bad_files(self) -> list[tuple[str, str]]:
+        """(path, problem) of every file of this split that cannot be read or decoded."""
+        bad = []
+        for path, _ in self._files():
+            problem = self._file_problem(path)
+            if problem is not None:
+                bad.append((path, problem))
+        return bad
+
+    def explain_data_error(self, error: Exception) -> str | None:
+        """Names the first unreadable or corrupt image of the split (see the base class)."""
+        del error
+        bad = self._bad_files()
+        if not bad:
+            return None
+        path, problem = bad[0]
+        more = f" (and {len(bad) - 1} more bad files in the split)" if len(bad) > 1 else ""
+        return (f"ImageFolderInput {self.params.name!r}: {path} is not a readable image "
+                f"({problem}){more}. Fix or remove it, or skip bad files with "
+                "--input_params_override='skip_bad_files : True'.")
+
     def _build_examples(self) -> tf.data.Dataset:
         p = self.params
-        ds = self._builder.as_dataset(split=p.folder_split[p.split], shuffle_files=False)
-        return ds.map(lambda ex: {"image": ex["image"], "label": ex["label"]})
+        if not p.skip_bad_files:
+            ds = self._builder.as_dataset(split=p.folder_split[p.split], shuffle_files=False)
+            return ds.map(lambda ex: {"image": ex["image"], "label": ex["label"]})
+        files = self._files()
+        bad = dict(self._bad_files())
+        for i, (path, problem) in enumerate(bad.items(), 1):
+            logging.warning("ImageFolderInput %r: skipping bad file %d of %d: %s (%s)",
+                            p.name, i, len(bad), path, problem)
+        good = [(path, label) for path, label in files if path not in bad]
+        if bad:
+            logging.warning("ImageFolderInput %r: skipped %d of %d files of split %r "
+                            "(skip_bad_files=True).", p.name, len(bad), len(files), p.split)
+        if not good:
+            raise FileNotFoundError(
+                f"ImageFolderInput: every image of split {p.split!r} under root_dir="
+                f"{p.root_dir!r} is unreadable ({len(files)} tried); fix the files.")
+        self._num_examples = len(good)
+        labels = self._builder.info.features["label"]
+        paths = tf.constant([path for path, _ in good])
+        label_ids = tf.constant([labels.str2int(label) for _, label in good], tf.int64)
+        image_feature = self._builder.info.features["image"]
+        ds = tf.data.Dataset.from_tensor_slices((paths, label_ids))
+        return ds.map(lambda path, label: {
+            "image": image_feature.decode_example(tf.io.read_file(path)), "label": label})

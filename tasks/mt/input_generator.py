@@ -66,8 +66,21 @@ def _read_lines(path: str) -> list[str]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: each split needs <split>.src and "
                                 "<split>.tgt in the data_dir.")
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n").strip() for line in f]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n").strip() for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(_unreadable_text_message(path, e)) from None
+
+
+def _unreadable_text_message(path: str, error: Exception) -> str:
+    """One line for a corpus file that exists but cannot be read."""
+    if isinstance(error, UnicodeDecodeError):
+        return (f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as "
+                "UTF-8, one sentence per line, or point data_dir elsewhere.")
+    reason = getattr(error, "strerror", None) or str(error)
+    return (f"{path} cannot be read ({reason}); make it readable (e.g. chmod a+r {path}) or "
+            "point the input's data_dir to readable <split>.src/<split>.tgt files.")
 
 
 def _pad(rows: list[list[int]], length: int) -> tuple[np.ndarray, np.ndarray]:

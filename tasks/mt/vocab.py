@@ -34,8 +34,15 @@ def train_model(text_files: list[str], path: str, vocab_size: int) -> None:
             raise FileNotFoundError(f"sentencepiece training text {f} does not exist.")
     lines = []
     for f in text_files:
-        with open(f, encoding="utf-8") as fh:
-            lines += [line.rstrip("\n") for line in fh if line.strip()]
+        try:
+            with open(f, encoding="utf-8") as fh:
+                lines += [line.rstrip("\n") for line in fh if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            reason = getattr(e, "strerror", None) or str(e)
+            raise ValueError(
+                f"sentencepiece training text {f} cannot be read ({reason}); make it readable "
+                f"UTF-8 text (e.g. chmod a+r {f}) or point the input's data_dir elsewhere."
+            ) from None
     if not lines:
         raise ValueError(f"sentencepiece: the training text {text_files} is empty.")
     buf = io.BytesIO()
