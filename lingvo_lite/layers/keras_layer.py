@@ -274,9 +274,11 @@ class KerasLayer(base_layer.BaseLayer):
         ctx = fprop_context.current()
         trainable = [theta[k] for k in self._trainable_keys]
         non_trainable = [theta[k] for k in self._non_trainable_keys]
+        kwargs = {"training": ctx.training} if getattr(
+            self._layer, "_call_has_training_arg", True) else {}
         with _Recording(_Recorder(ctx)) as rec:
             y, new_non_trainable = self._layer.stateless_call(
-                trainable, non_trainable, x, training=ctx.training)
+                trainable, non_trainable, x, **kwargs)
         for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
             if new is not old and key not in self._handled:
                 raise ValueError(
