@@ -92,9 +92,10 @@ def _conv(layer: Any, x: Sequence[int], y: Sequence[int]) -> float:
         out_spatial = _prod(_spatial(y, layer))
         macs = batch * out_spatial * (mid * kernel + mid * c_out)
     elif name.endswith("Transpose"):
-        macs = batch * _prod(_spatial(x, layer)) * c_in * kernel * c_out // layer.groups
+        macs = batch * _prod(_spatial(x, layer)) * c_in * kernel * c_out
     else:
-        macs = batch * _prod(_spatial(y, layer)) * c_out * kernel * c_in // layer.groups
+        groups = getattr(layer, "groups", 1)
+        macs = batch * _prod(_spatial(y, layer)) * c_out * kernel * c_in // groups
     return 2.0 * macs + bias + _activation(layer, y)
 
 
@@ -116,12 +117,17 @@ def _attention(layer: Any, shapes: Sequence[Sequence[int]]) -> float:
     key = shapes[2] if len(shapes) > 2 else value
     batch, tq, tv = int(query[0]), _prod(query[1:-1]), _prod(value[1:-1])
     heads, dk, dv = layer.num_heads, layer.key_dim, layer.value_dim or layer.key_dim
-    out_dim = layer.output_shape[-1] if layer.output_shape else int(query[-1])
+    out_shape = layer._output_shape
+    if out_shape is None:
+        out_dim = int(query[-1])
+    else:
+        out_dim = _prod(out_shape if isinstance(out_shape, (tuple, list)) else [out_shape])
     macs = batch * (tq * query[-1] * heads * dk + tv * key[-1] * heads * dk
                     + tv * value[-1] * heads * dv + heads * tq * tv * (dk + dv)
                     + tq * heads * dv * out_dim)
-    bias = batch * (tq * heads * dk + tv * heads * (dk + dv) + tq * out_dim) if layer._use_bias \
-        else 0
+    bias = 0
+    if layer.use_bias:
+        bias = batch * (tq * heads * dk + tv * heads * (dk + dv) + tq * out_dim)
     return 2.0 * macs + bias + SOFTMAX_FLOPS_PER_ELEMENT * batch * heads * tq * tv
 
 

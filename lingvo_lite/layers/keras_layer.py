@@ -2,7 +2,7 @@
 
 `KerasLayer.Params()` holds the Keras layer's serialized config
 (`keras.saving.serialize_keras_object`), so `ToText`/`FromText`, `inspect_params` and
-overrides work on it (e.g. `layers[2].keras_layer.config.rate : 0.2`). Instantiated
+overrides work on it (e.g. `network.layers[2].keras_layer[config][rate] : 0.2`). Instantiated
 inside a pipeline cell's device scope, the layer builds its Keras weights there; their
 `tf.Variable`s are this layer's variables and `theta`. `FProp(theta, x)` runs the
 Keras layer with `stateless_call` on theta, so the pipeline can read a cell's weights
@@ -26,6 +26,7 @@ other entries, e.g. the labels, pass through).
 
 Example:
     >>> import keras
+    >>> import tensorflow as tf
     >>> from lingvo_lite.layers import keras_layer
     >>> p = keras_layer.KerasLayer.Params().Set(
     ...     name='dense', keras_layer=keras_layer.serialize(keras.layers.Dense(4)),
@@ -147,7 +148,8 @@ def _patch_dropout(layer: keras.layers.Dropout) -> None:
             concrete = dynamic
         else:
             concrete = tf.stack([dynamic[i] if d is None else d for i, d in enumerate(noise_shape)])
-        shared = noise_shape is not None and noise_shape[0] == 1
+        # A noise shape of 1 along the batch, as the user gave it (not a micro-batch of 1).
+        shared = layer.noise_shape is not None and layer.noise_shape[0] == 1
         return keras_random.dropout(inputs, layer.rate, concrete,
                                     layer.seed_generator.state.value, rec.ctx.example_offset,
                                     shared)

@@ -13,6 +13,8 @@ over micro-batches by the pipeline) and `num_examples` is deliberately not retur
 the micro-batches weigh equally, as Keras' reduction does.
 
 Example:
+    >>> import tensorflow as tf
+    >>> from lingvo_lite.nested_map import NestedMap
     >>> p = KerasLossLayer.Params().Set(name='loss', loss='sparse_categorical_crossentropy')
     >>> layer = p.Instantiate()
     >>> out = layer.FProp(layer.theta, NestedMap(x=tf.fill([2, 3], 1 / 3), y=tf.zeros([2])))
