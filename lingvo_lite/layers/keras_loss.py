@@ -28,6 +28,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.losses import LossFunctionWrapper  # What compile() wraps loss functions in.
 
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
@@ -43,7 +44,7 @@ def make_loss(config: Any) -> keras.losses.Loss:
         raise ValueError(f"No Keras loss for {config!r}; pass a name such as "
                          "'sparse_categorical_crossentropy' or a keras.losses.Loss.")
     if not isinstance(loss, keras.losses.Loss):
-        loss = keras.losses.LossFunctionWrapper(loss, name=getattr(loss, "__name__", None))
+        loss = LossFunctionWrapper(loss, name=getattr(loss, "__name__", None))
     return loss
 
 
