@@ -64,25 +64,8 @@ def _check_no_regularizers(layer: keras.layers.Layer) -> None:
                 "regularizer (or add the penalty to the loss yourself).")
 
 
-def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
-                    num_micro_batches: int | None = None, micro_batch_size: int | None = None,
-                    remat: str = "except_last", schedule: str = "gpipe",
-                    placement: Any = "auto", partition_method: str = "min_max",
-                    split_points: Sequence[int] | None = None, serial_devices: bool = False,
-                    loss: Any = None, cost_batch_size: int = 1,
-                    name: str = "keras_pipeline") -> Any:
-    """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
-
-    `input_shape` is one example's shape; `cost_batch_size` the batch the cost model
-    (partitioning, inspect_model) assumes. `loss`: any form `compile(loss=...)` takes,
-    or None to set it later (`KerasLossLayer.set_loss`).
-
-    Example:
-        >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
-        ...                     num_cells=2, loss='mse')
-        >>> len(p.layers)
-        3
-    """
+def _keras_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
+    """KerasLayer params of each layer, with the input shape Keras infers for it."""
     layer_params = []
     spec = keras.KerasTensor((None, *input_shape))
     for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
@@ -96,6 +79,38 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
         spec = probe.compute_output_spec(spec)
         layer_params.append(keras_layer.KerasLayer.Params().Set(
             name=f"keras_{i}_{layer.name}", keras_layer=config, input_shape=shape))
+    return layer_params
+
+
+def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
+                    num_micro_batches: int | None = None, micro_batch_size: int | None = None,
+                    remat: str = "except_last", schedule: str = "gpipe",
+                    placement: Any = "auto", partition_method: str = "min_max",
+                    split_points: Sequence[int] | None = None, serial_devices: bool = False,
+                    loss: Any = None, cost_batch_size: int = 1,
+                    name: str = "keras_pipeline") -> Any:
+    """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
+
+    `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
+    either; a function is called inside a `tf.Graph`, so no TensorFlow op runs (a
+    registered model's `Task()` should pass one: trainer.py configures the devices
+    after reading the params, and creating Keras weights eagerly would start TF first).
+    `input_shape` is one example's shape; `cost_batch_size` the batch the cost model
+    (partitioning, inspect_model) assumes. `loss`: any form `compile(loss=...)` takes,
+    or None to set it later (`KerasLossLayer.set_loss`).
+
+    Example:
+        >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
+        ...                     num_cells=2, loss='mse')
+        >>> len(p.layers)
+        3
+    """
+    # Probe layers are built in a graph: no TensorFlow op runs, so a registered model's
+    # Task() can call this before trainer.py configures the devices.
+    with tf.Graph().as_default():
+        if callable(layers) and not isinstance(layers, keras.layers.Layer):
+            layers = layers()
+        layer_params = _keras_layer_params(layers, input_shape)
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
         name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
     return pipelining_layer.PipeliningLayer.Params().Set(

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 from collections.abc import Iterator
@@ -63,7 +64,8 @@ def serialize(layer: keras.layers.Layer) -> dict:
 
 def deserialize(config: dict) -> keras.layers.Layer:
     """A fresh Keras layer from `serialize`'s output (custom classes must be registered)."""
-    return keras.saving.deserialize_keras_object(config)
+    # Keras pops entries from the config it deserializes; the params' copy must survive.
+    return keras.saving.deserialize_keras_object(copy.deepcopy(config))
 
 
 def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:

@@ -63,6 +63,9 @@ class KerasLossLayer(base_layer.BaseLayer):
                  "The Keras loss: a name ('sparse_categorical_crossentropy') or a "
                  "serialized keras.losses.Loss (keras_loss.serialize_loss(loss)). None: "
                  "inference only until `set_loss` (a Keras model sets it in compile).")
+        p.Define("sparse_accuracy", False,
+                 "Also return `accuracy`: the share of examples whose largest prediction is "
+                 "the label y (integer class ids), e.g. for trainer.py's eval summaries.")
         return p
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
@@ -88,6 +91,10 @@ class KerasLossLayer(base_layer.BaseLayer):
                              "loss=... (or set p.loss).")
         out.loss = tf.cast(self._loss(y, inputs.x, sample_weight=inputs.get("sample_weight")),
                            tf.float32)
+        if self.params.sparse_accuracy:
+            predicted = tf.argmax(inputs.x, axis=-1, output_type=tf.int32)
+            correct = tf.equal(predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted)))
+            out.accuracy = tf.reduce_mean(tf.cast(correct, tf.float32))
         return out
 
     @classmethod
@@ -95,5 +102,7 @@ class KerasLossLayer(base_layer.BaseLayer):
         shape = tf.TensorShape(base_layer.to_shape(
             inputs.x if isinstance(inputs, NestedMap) else inputs))
         flops = LOSS_FLOPS_PER_ELEMENT * int(shape.num_elements() or 0)
-        return base_layer.fprop_meta(
-            flops, NestedMap(predictions=shape, loss=tf.TensorShape([])), 0, tf.float32)
+        out = NestedMap(predictions=shape, loss=tf.TensorShape([]))
+        if p.sparse_accuracy:
+            out.accuracy = tf.TensorShape([])
+        return base_layer.fprop_meta(flops, out, 0, tf.float32)
