@@ -98,9 +98,10 @@ def _gpipe_reference(num_micro: int) -> list[list[np.ndarray]]:
     return after
 
 
-def _pipelined(num_cells: int, num_micro: int, remat: str) -> PipelinedModel:
+def _pipelined(num_cells: int, num_micro: int, remat: str,
+               schedule: str = "gpipe") -> PipelinedModel:
     model = PipelinedModel(_sequential(), num_cells=num_cells, num_micro_batches=num_micro,
-                           remat=remat, partition_method="uniform")
+                           remat=remat, schedule=schedule, partition_method="uniform")
     model.compile(optimizer=_optimizer(), loss=_loss(), metrics=["accuracy"])
     return model
 
@@ -117,17 +118,18 @@ class KerasModelTest(tf.test.TestCase):
         x, y = _data()
         for num_micro in (1, 4):
             expected = _gpipe_reference(num_micro)
-            for num_cells in (1, 2, 3):
-                for remat in ("always", "never"):
-                    with self.subTest(K=num_cells, T=num_micro, remat=remat):
-                        model = _pipelined(num_cells, num_micro, remat)
-                        self.assertEqual(model.pipeline.num_cells, num_cells)
-                        model.fit(x, y, batch_size=N, epochs=1, shuffle=False, verbose=0)
-                        _assert_weights_close(self, model.get_weights(), expected[0])
-                        model.fit(x, y, batch_size=N, epochs=9, shuffle=False, verbose=0)
-                        _assert_weights_close(self, model.get_weights(), expected[1])
-                        state = model.plain.layers[2].seed_generator.state.numpy()
-                        np.testing.assert_array_equal(state, [SEED, 10])
+            runs = [(k, remat, "gpipe") for k in (1, 2, 3) for remat in ("always", "never")]
+            runs.append((2, "except_last", "1f1b"))
+            for num_cells, remat, schedule in runs:
+                with self.subTest(K=num_cells, T=num_micro, remat=remat, schedule=schedule):
+                    model = _pipelined(num_cells, num_micro, remat, schedule)
+                    self.assertEqual(model.pipeline.num_cells, num_cells)
+                    model.fit(x, y, batch_size=N, epochs=1, shuffle=False, verbose=0)
+                    _assert_weights_close(self, model.get_weights(), expected[0])
+                    model.fit(x, y, batch_size=N, epochs=9, shuffle=False, verbose=0)
+                    _assert_weights_close(self, model.get_weights(), expected[1])
+                    state = model.plain.layers[2].seed_generator.state.numpy()
+                    np.testing.assert_array_equal(state, [SEED, 10])
 
     def test_saved_weights_load_into_the_plain_sequential(self):
         x, y = _data()
@@ -137,9 +139,17 @@ class KerasModelTest(tf.test.TestCase):
         model.save_weights(path)
         plain = _sequential()
         plain.load_weights(path)
-        for batch_size in (N, 3):  # Static batches run pipelined, odd ones unsplit.
+        expected = plain.predict(x, verbose=0)
+        for batch_size in (N, 3):  # predict's batches have a dynamic size: run unsplit.
             np.testing.assert_allclose(model.predict(x, batch_size=batch_size, verbose=0),
-                                       plain.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+                                       expected, rtol=1e-6, atol=1e-6)
+        # A static batch runs pipelined: 4 micro-batches through the 2 cells.
+        np.testing.assert_allclose(model(x), expected, rtol=1e-6, atol=1e-6)
+        whole = os.path.join(os.path.dirname(path), "pipelined.keras")
+        model.save(whole)
+        loaded = keras.models.load_model(whole)
+        self.assertEqual(loaded.pipeline.num_cells, 2)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
         plain_weights = [w + 1.0 for w in plain.get_weights()]
         model.set_weights(plain_weights)
         _assert_weights_close(self, model.get_weights(), plain_weights)
@@ -148,7 +158,8 @@ class KerasModelTest(tf.test.TestCase):
         x, y = _data()
         model = _pipelined(2, 2, "except_last")
         logdir = tempfile.mkdtemp()
-        stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=1e3)
+        stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=1e3,
+                                                restore_best_weights=True)
         callbacks = [
             keras.callbacks.TensorBoard(log_dir=os.path.join(logdir, "tb")),
             keras.callbacks.ModelCheckpoint(os.path.join(logdir, "ckpt_{epoch}.weights.h5"),
@@ -159,16 +170,21 @@ class KerasModelTest(tf.test.TestCase):
         with contextlib.redirect_stdout(out):
             history = model.fit(x, y, batch_size=4, epochs=20, validation_data=(x, y),
                                 callbacks=callbacks, shuffle=False, verbose=1)
-        # min_delta is never reached: training stops after patience + 1 = 2 epochs.
+        # min_delta is never reached: training stops after patience + 1 = 2 epochs, and
+        # the weights of epoch 1 (the best) are restored.
         self.assertEqual(len(history.history["loss"]), 2)
         self.assertEqual(stopper.stopped_epoch, 1)
         self.assertIn("loss:", out.getvalue())
         self.assertIn("accuracy:", out.getvalue())
         self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(
             os.path.join(logdir, "ckpt_*"))), ["ckpt_1.weights.h5", "ckpt_2.weights.h5"])
-        plain = _sequential()
-        plain.load_weights(os.path.join(logdir, "ckpt_2.weights.h5"))
-        _assert_weights_close(self, plain.get_weights(), model.get_weights())
+        epoch = []
+        for name in ("ckpt_1.weights.h5", "ckpt_2.weights.h5"):
+            plain = _sequential()
+            plain.load_weights(os.path.join(logdir, name))
+            epoch.append(plain.get_weights())
+        self.assertGreater(np.abs(epoch[0][0] - epoch[1][0]).max(), 1e-4)
+        _assert_weights_close(self, model.get_weights(), epoch[0])
         tags = set()
         for path in glob.glob(os.path.join(logdir, "tb", "train", "events.*")):
             for event in tf.compat.v1.train.summary_iterator(path):

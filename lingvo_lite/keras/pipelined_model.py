@@ -14,7 +14,9 @@ What matches the unpipelined Sequential (tests/keras_model_test.py):
   normalised with its own moments (GPipe) and the moving statistics are updated once
   per mini-batch from the exactly pooled moments;
 - `get_weights`/`set_weights`/`save_weights`/`load_weights` use the Sequential's
-  layout: weights saved from one load into the other.
+  layout: weights saved from one load into the other. `save('m.keras')` and
+  `keras.models.load_model('m.keras')` round-trip the whole model (config, weights,
+  compile settings).
 
 Training needs equal batches (the pipeline splits a static mini-batch into T
 micro-batches): `fit` on arrays needs a batch_size dividing the number of training
@@ -122,6 +124,7 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
         input_shapes=NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape])))
 
 
+@keras.saving.register_keras_serializable(package="lingvo_lite")
 class PipelinedModel(keras.Model):
     """A Keras model whose `fit` runs a GPipe pipeline; see the module doc.
 
@@ -182,10 +185,6 @@ class PipelinedModel(keras.Model):
         """The PipeliningLayer that runs the layers (partition, devices, schedule)."""
         return self._hidden.pipeline
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        super().compile(*args, **kwargs)
-        self.pipeline.layers[-1].set_loss(kwargs.get("loss", args[1] if len(args) > 1 else None))
-
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         pipe = self.pipeline
         x = tf.convert_to_tensor(inputs)
@@ -220,6 +219,7 @@ class PipelinedModel(keras.Model):
         if sample_weight is not None:
             inputs.sample_weight = self._static_batch(tf.convert_to_tensor(sample_weight))
         pipe = self.pipeline
+        pipe.layers[-1].set_loss(self.loss)  # The loss given to compile().
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
             out, grads = pipe.FPropAndGrads(pipe.theta, inputs)

@@ -64,8 +64,18 @@ def serialize(layer: keras.layers.Layer) -> dict:
 
 def deserialize(config: dict) -> keras.layers.Layer:
     """A fresh Keras layer from `serialize`'s output (custom classes must be registered)."""
-    # Keras pops entries from the config it deserializes; the params' copy must survive.
-    return keras.saving.deserialize_keras_object(copy.deepcopy(config))
+    # Keras pops entries from the config it deserializes (the params' copy must survive),
+    # and inside keras.models.load_model it would hand back an already deserialized
+    # object for a `shared_object_id`: every KerasLayer needs its own.
+    return keras.saving.deserialize_keras_object(_unshared(copy.deepcopy(config)))
+
+
+def _unshared(config: Any) -> Any:
+    if isinstance(config, dict):
+        return {k: _unshared(v) for k, v in config.items() if k != "shared_object_id"}
+    if isinstance(config, list):
+        return [_unshared(v) for v in config]
+    return config
 
 
 def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
