@@ -83,8 +83,11 @@ def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     return list(layer._flatten_layers(include_self=True, recursive=True))
 
 
-def _variable_key(path: str, used: set[str]) -> str:
-    key = re.sub(r"\W", "_", path.split("/", 1)[-1]) or "w"
+def _variable_key(path: str, layer_name: str, used: set[str]) -> str:
+    """A theta key from a Keras variable path: 'kernel', or 'conv2d_3_kernel' when nested."""
+    if path.startswith(layer_name + "/"):
+        path = path[len(layer_name) + 1:]
+    key = re.sub(r"\W", "_", path) or "w"
     if key[0].isdigit():
         key = "v_" + key
     base, i = key, 1
@@ -258,7 +261,7 @@ class KerasLayer(base_layer.BaseLayer):
         for keys, variables in ((self._trainable_keys, layer.trainable_variables),
                                 (self._non_trainable_keys, layer.non_trainable_variables)):
             for v in variables:
-                key = _variable_key(v.path, used)
+                key = _variable_key(v.path, layer.name, used)
                 self._private_vars[key] = v.value
                 keys.append(key)
         key_of = {id(v): k for k, v in zip(
