@@ -11,6 +11,14 @@ from lingvo_lite.layers import keras_flops, keras_layer
 from lingvo_lite.nested_map import NestedMap
 
 
+@keras.saving.register_keras_serializable(package="keras_layer_test")
+class Square(keras.layers.Layer):
+    """x * x + x: no hand formula, so its flops are measured."""
+
+    def call(self, x):
+        return x * x + x
+
+
 def _params(layer: keras.layers.Layer, input_shape: list[int]) -> hyperparams.Params:
     return keras_layer.KerasLayer.Params().Set(
         name="k", keras_layer=keras_layer.serialize(layer), input_shape=input_shape)
@@ -68,10 +76,6 @@ class FlopsTest(tf.test.TestCase):
 
     def test_other_layers_are_measured_or_estimated_never_zero(self):
 
-        class Square(keras.layers.Layer):
-            def call(self, x):
-                return x * x + x
-
         class Copy(keras.layers.Layer):
             def call(self, x):
                 return tf.identity(x)
@@ -80,6 +84,15 @@ class FlopsTest(tf.test.TestCase):
         self.assertEqual((flops, method), (2 * 20, "measured"))  # A multiply and an add each.
         flops, method = _flops(Copy(), (4, 5))
         self.assertEqual((flops, method), (20, "estimated"))
+        meta = keras_layer.KerasLayer.FPropMeta(_params(Square(), [5]), tf.TensorShape([4, 5]))
+        self.assertEqual(meta.flops, 2 * 20)
+
+    def test_fprop_meta_allocates_nothing(self):
+        # 10^10 weights (40 GB) described from shapes alone.
+        big = _params(keras.layers.Dense(100_000), [100_000])
+        meta = keras_layer.KerasLayer.FPropMeta(big, tf.TensorShape([8, 100_000]))
+        self.assertEqual(meta.num_params, 100_000 * 100_000 + 100_000)
+        self.assertEqual(meta.flops, 2 * 8 * 100_000 * 100_000 + 8 * 100_000)
 
     def test_fprop_meta_of_a_nested_sequential_is_the_sum_of_its_layers(self):
         sub = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
@@ -143,6 +156,23 @@ class KerasLayerTest(tf.test.TestCase):
                     np.testing.assert_array_equal(np.concatenate(parts), full)
             # The state advances only through ApplyUpdates, once per mini-batch.
             np.testing.assert_array_equal(layer.keras_layer.seed_generator.state.numpy(), state)
+
+    def test_dropout_nested_in_a_sub_model_draws_the_full_batch_rows(self):
+        x = tf.random.stateless_uniform([8, 6], seed=[5, 6], minval=0.5, maxval=1.5)
+
+        def sub():
+            return keras.Sequential([keras.Input((6,)), keras.layers.Dropout(0.5, seed=3)])
+
+        reference = sub()
+        state = reference.layers[0].seed_generator.state.numpy()
+        full = reference(x, training=True).numpy()
+        layer = _params(sub(), [6]).Instantiate()
+        layer.keras_layer.layers[0].seed_generator.state.assign(state)
+        parts = []
+        for a in (0, 2, 4, 6):
+            with fprop_context.fprop_context(training=True, example_offset=a):
+                parts.append(layer.FProp(layer.theta, x[a:a + 2]).numpy())
+        np.testing.assert_array_equal(np.concatenate(parts), full)
 
     def test_batch_norm_statistics_pool_once_per_mini_batch(self):
         x = np.random.default_rng(0).normal(2.0, 3.0, size=(8, 4)).astype(np.float32)

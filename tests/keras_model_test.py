@@ -131,6 +131,23 @@ class KerasModelTest(tf.test.TestCase):
                     state = model.plain.layers[2].seed_generator.state.numpy()
                     np.testing.assert_array_equal(state, [SEED, 10])
 
+    def test_without_batch_statistics_t4_equals_plain_fit_with_sample_weights(self):
+        x, y = _data()
+        weights = np.linspace(0.5, 2.0, N).astype(np.float32)
+
+        def sequential():
+            keras.utils.set_random_seed(2)
+            return keras.Sequential([keras.Input((D,)), keras.layers.Dense(12, activation="relu"),
+                                     keras.layers.Dropout(RATE, seed=SEED),
+                                     keras.layers.Dense(CLASSES)])
+
+        plain = sequential()
+        model = PipelinedModel(sequential(), num_cells=2, num_micro_batches=4, remat="always")
+        for m in (plain, model):
+            m.compile(optimizer=_optimizer(), loss=_loss())
+            m.fit(x, y, sample_weight=weights, batch_size=N, epochs=3, shuffle=False, verbose=0)
+        _assert_weights_close(self, model.get_weights(), plain.get_weights())
+
     def test_saved_weights_load_into_the_plain_sequential(self):
         x, y = _data()
         model = _pipelined(2, 4, "except_last")

@@ -352,16 +352,19 @@ class KerasLayer(base_layer.BaseLayer):
         if not shape.is_fully_defined():
             raise ValueError(f"{cls.__name__}.FPropMeta needs a fully defined input shape, "
                              f"got {shape}.")
-        layer = deserialize(p.keras_layer)
-        batch_shape = tuple(shape.as_list())
-        if not layer.built:
-            layer.build((None, *batch_shape[1:]))
-        spec = layer.compute_output_spec(keras.KerasTensor(batch_shape))
-        out_shape = tf.TensorShape(list(spec.shape))
-        flops, _ = keras_flops.layer_flops(layer, [batch_shape], out_shape.as_list())
-        num_params = sum(int(tf.TensorShape(v.shape).num_elements()) for v in layer.weights)
-        non_trainable = sum(int(tf.TensorShape(v.shape).num_elements())
-                            for v in layer.non_trainable_weights)
+        # Built in a graph: shapes and counts without allocating the weights or starting
+        # the TF runtime (inspect_model describes models far too large to allocate).
+        with tf.Graph().as_default():
+            layer = deserialize(p.keras_layer)
+            batch_shape = tuple(shape.as_list())
+            if not layer.built:
+                layer.build((None, *batch_shape[1:]))
+            spec = layer.compute_output_spec(keras.KerasTensor(batch_shape))
+            out_shape = tf.TensorShape(list(spec.shape))
+            flops, _ = keras_flops.layer_flops(layer, [batch_shape], out_shape.as_list())
+            num_params = sum(int(tf.TensorShape(v.shape).num_elements()) for v in layer.weights)
+            non_trainable = sum(int(tf.TensorShape(v.shape).num_elements())
+                                for v in layer.non_trainable_weights)
         if isinstance(inputs, NestedMap):
             out = inputs.copy()
             out.Set(p.field, out_shape)
