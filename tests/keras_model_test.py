@@ -213,6 +213,9 @@ class KerasModelTest(tf.test.TestCase):
         model = _pipelined(2, 2, "always")
         with self.assertRaisesRegex(ValueError, "batch_size=3.*divides"):
             model.fit(x, y, batch_size=3, verbose=0)
+        with self.assertRaisesRegex(ValueError, "batch_size=1: num_micro_batches=2 does not "
+                                                "divide the mini-batch size 1"):
+            model.fit(x, y, batch_size=1, verbose=0)
 
 
 @keras.saving.register_keras_serializable(package="keras_model_test")

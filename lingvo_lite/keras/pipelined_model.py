@@ -185,6 +185,11 @@ class PipelinedModel(keras.Model):
         """The PipeliningLayer that runs the layers (partition, devices, schedule)."""
         return self._hidden.pipeline
 
+    def _resolve_auto_jit_compile(self) -> bool:
+        # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
+        # device, while the pipeline places every cell on its own: default to no XLA.
+        return False
+
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         pipe = self.pipeline
         x = tf.convert_to_tensor(inputs)
@@ -241,6 +246,12 @@ class PipelinedModel(keras.Model):
         """`keras.Model.fit`; every training batch must have `batch_size` examples."""
         self._hidden.batch_size = _training_batch_size(
             x, batch_size, kwargs.get("validation_split", 0.0))
+        if self._hidden.batch_size is not None:
+            try:
+                self.pipeline.num_micro_batches_for(self._hidden.batch_size)
+            except ValueError as e:
+                raise ValueError(f"PipelinedModel.fit with batch_size="
+                                 f"{self._hidden.batch_size}: {e}") from None
         return super().fit(x, y, batch_size=batch_size, **kwargs)
 
     # -- weights in the plain Sequential's layout --------------------------------
