@@ -23,7 +23,9 @@ micro-batches): `fit` on arrays needs a batch_size dividing the number of traini
 examples, and a tf.data.Dataset must be batched with drop_remainder=True. Evaluation
 and prediction take any batch.
 
-Example:
+Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
+    >>> from lingvo_lite import devices
+    >>> _ = devices.configure_logical_cpus(2)
     >>> model = PipelinedModel(
     ...     [keras.layers.Dense(32, activation='relu'), keras.layers.Dropout(0.1),
     ...      keras.layers.Dense(10)],
