@@ -25,7 +25,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from lingvo_lite import fprop_context
 from lingvo_lite.keras import PipelinedModel
+from lingvo_lite.layers import keras_layer
 
 N, D, CLASSES = 8, 6, 4
 RATE, MOMENTUM, SEED = 0.25, 0.8, 7
@@ -233,12 +235,17 @@ class CallCounter(keras.layers.Layer):
 class UnsupportedLayersTest(tf.test.TestCase):
 
     def test_stateful_layer_is_refused_by_name(self):
-        x, y = _data()
-        model = PipelinedModel([keras.layers.Dense(4), CallCounter(name="counter")],
-                               input_shape=(D,), num_cells=2)
-        model.compile(optimizer="sgd", loss=_loss())
-        with self.assertRaisesRegex(ValueError, "'counter'.*non-trainable weight"):
-            model.fit(x, y, batch_size=N, verbose=0)
+        with self.assertRaisesRegex(ValueError, "'counter' \\(CallCounter\\) changes its "
+                                                "non-trainable weight 'counter/"):
+            PipelinedModel([keras.layers.Dense(4), CallCounter(name="counter")],
+                           input_shape=(D,), num_cells=2)
+        # A KerasLayer made directly (no pipeline_params) refuses it when it runs.
+        layer = keras_layer.KerasLayer.Params().Set(
+            name="k", keras_layer=keras_layer.serialize(CallCounter(name="counter")),
+            input_shape=[D]).Instantiate()
+        with self.assertRaisesRegex(ValueError, "'counter'.*non-trainable weight"), \
+                fprop_context.fprop_context(training=True):
+            layer.FProp(layer.theta, tf.zeros([2, D]))
 
     def test_unmapped_random_layer_and_renorm_are_refused(self):
         with self.assertRaisesRegex(ValueError, "'noise' \\(AlphaDropout\\) draws random"):

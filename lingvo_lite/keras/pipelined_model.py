@@ -80,6 +80,7 @@ def _keras_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
         probe = keras_layer.deserialize(config)
         if not probe.built:
             probe.build(spec.shape)
+        keras_layer.check_call_state(probe, shape)
         spec = probe.compute_output_spec(spec)
         layer_params.append(keras_layer.KerasLayer.Params().Set(
             name=f"keras_{i}_{layer.name}", keras_layer=config, input_shape=shape))

@@ -118,6 +118,36 @@ def check_supported(layer: keras.layers.Layer) -> None:
                 "pipelined layers (or run it outside the pipeline).")
 
 
+def check_call_state(layer: keras.layers.Layer, input_shape: Any) -> None:
+    """Raises a ValueError naming any weight a training call of `layer` writes that
+    lingvo-lite cannot make exact (all but batch norm's statistics and seed states).
+
+    Runs the layer once on zeros of one example; call it inside `tf.Graph().as_default()`
+    so nothing executes (pipeline_params does).
+    """
+    handled = set()
+    for sub in _sublayers(layer):
+        if isinstance(sub, keras.layers.BatchNormalization):
+            handled.update((id(sub.moving_mean), id(sub.moving_variance)))
+        elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
+            handled.add(id(sub.seed_generator.state))
+    trainable = [tf.zeros(v.shape, v.dtype) for v in layer.trainable_variables]
+    non_trainable = [tf.zeros(v.shape, v.dtype) for v in layer.non_trainable_variables]
+    kwargs = {"training": True} if getattr(layer, "_call_has_training_arg", True) else {}
+    _, new = layer.stateless_call(trainable, non_trainable, tf.zeros([1, *input_shape]),
+                                  **kwargs)
+    for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
+        if value is not old and id(v) not in handled:
+            raise ValueError(_state_error(layer, v.path))
+
+
+def _state_error(layer: keras.layers.Layer, what: str) -> str:
+    return (f"Keras layer '{layer.name}' ({type(layer).__name__}) changes its non-trainable "
+            f"weight '{what}' in its call; lingvo-lite cannot make such state exact under "
+            "micro-batching and recomputation, so it refuses the layer: keep it out of the "
+            "pipeline.")
+
+
 class _Recorder:
     """What the patched Keras layers see and report during one FProp."""
 
@@ -298,11 +328,7 @@ class KerasLayer(base_layer.BaseLayer):
                 trainable, non_trainable, x, **kwargs)
         for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
             if new is not old and key not in self._handled:
-                raise ValueError(
-                    f"Keras layer '{self._layer.name}' ({type(self._layer).__name__}) at "
-                    f"{self.path} changes its non-trainable weight '{key}' in its call; "
-                    "lingvo-lite cannot make such state exact under micro-batching and "
-                    "recomputation, so it refuses the layer: keep it out of the pipeline.")
+                raise ValueError(_state_error(self._layer, key))
         if not tf.is_tensor(y):
             raise ValueError(
                 f"Keras layer '{self._layer.name}' at {self.path} returns "
