@@ -125,7 +125,12 @@ class KerasModelTest(tf.test.TestCase):
             for num_cells, remat, schedule in runs:
                 with self.subTest(K=num_cells, T=num_micro, remat=remat, schedule=schedule):
                     model = _pipelined(num_cells, num_micro, remat, schedule)
-                    self.assertEqual(model.pipeline.num_cells, num_cells)
+                    pipe = model.pipeline
+                    self.assertEqual(pipe.num_cells, num_cells)
+                    for k in range(num_cells):  # Weights live on their cell's device.
+                        for v in pipe.cell_variables(k):
+                            self.assertTrue(v.device.endswith(pipe.devices[k].lstrip("/")),
+                                            (v.device, pipe.devices[k]))
                     model.fit(x, y, batch_size=N, epochs=1, shuffle=False, verbose=0)
                     _assert_weights_close(self, model.get_weights(), expected[0])
                     model.fit(x, y, batch_size=N, epochs=9, shuffle=False, verbose=0)
