@@ -29,13 +29,18 @@ class KerasDigitsTest(tf.test.TestCase):
         row = next(line for line in out.splitlines() if "keras_3_block_1" in line)
         self.assertIn("4,736", row)  # 2 x 3*3*16*16 kernels + 2 x 4*16 batch-norm values.
 
-    def test_trains_and_evaluates(self):
+    def test_trains_evaluates_and_resumes(self):
         logdir = tempfile.mkdtemp()
         status, out, err = _main(model=MODEL, logdir=logdir, mode="train_and_eval",
                                  max_steps=4, eval_splits=("dev",))
         self.assertEqual(status, 0, err)
         self.assertIn("eval dev @ step 4", out)
         self.assertTrue(os.path.exists(os.path.join(logdir, "checkpoints", "checkpoint")))
+        # Every Keras weight (batch-norm statistics and dropout seed states included) has a
+        # stable checkpoint key, so a new process restores them.
+        status, out, err = _main(model=MODEL, logdir=logdir, mode="train", max_steps=6)
+        self.assertEqual(status, 0, err)
+        self.assertIn("Resuming training from step 4 to step 6.", out)
 
 
 if __name__ == "__main__":

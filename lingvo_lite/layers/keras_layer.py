@@ -83,18 +83,34 @@ def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     return list(layer._flatten_layers(include_self=True, recursive=True))
 
 
-def _variable_key(path: str, layer_name: str, used: set[str]) -> str:
-    """A theta key from a Keras variable path: 'kernel', or 'conv2d_3_kernel' when nested."""
-    if path.startswith(layer_name + "/"):
-        path = path[len(layer_name) + 1:]
-    key = re.sub(r"\W", "_", path) or "w"
-    if key[0].isdigit():
-        key = "v_" + key
-    base, i = key, 1
-    while key in used:
-        key, i = f"{base}_{i}", i + 1
-    used.add(key)
-    return key
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def variable_keys(layer: keras.layers.Layer) -> dict[int, str]:
+    """Theta key of each variable of `layer`, by `id`: stable across processes and builds.
+
+    The layer's own variables keep their names ('kernel', 'moving_mean'); a nested
+    layer's are prefixed with its class and depth-first position, not its name (Keras
+    numbers unnamed layers and seed generators with process-wide counters), e.g.
+    'batch_normalization_4_gamma'; a random layer's seed state is '..._seed_state'.
+    """
+    keys: dict[int, str] = {}
+    used: set[str] = set()
+    for i, sub in enumerate(_sublayers(layer)):
+        prefix = "" if sub is layer else f"{_snake(type(sub).__name__)}_{i}_"
+        owned = [(v, v.name) for v in sub._trainable_variables + sub._non_trainable_variables]
+        owned += [(g.state, "seed_state") for g in getattr(sub, "_seed_generators", [])]
+        for v, name in owned:
+            key = re.sub(r"\W", "_", prefix + name)
+            if key[0].isdigit():
+                key = "v_" + key
+            base, n = key, 1
+            while key in used:
+                key, n = f"{base}_{n}", n + 1
+            used.add(key)
+            keys[id(v)] = key
+    return keys
 
 
 def check_supported(layer: keras.layers.Layer) -> None:
@@ -254,6 +270,21 @@ def _patch_batch_norm(layer: keras.layers.BatchNormalization) -> None:
     object.__setattr__(layer, "_moments", moments)
 
 
+def _rename(variable: Any, name: str) -> tf.Variable:
+    """Gives a Keras variable a tf.Variable named like CreateVariable's (stable, unique).
+
+    Keras names its tf.Variables after layer names it numbers process-wide
+    ('batch_normalization_13/beta'); optimizer slots and summaries are keyed by the
+    tf.Variable's name, so the Keras variable gets a copy with the layer path's name.
+    """
+    old = variable.value
+    with tf.device(old.device):
+        new = tf.Variable(old.read_value(), trainable=old.trainable, name=name,
+                          aggregation=old.aggregation, synchronization=old.synchronization)
+    variable._value = new  # What the TF backend's Variable reads and writes.
+    return new
+
+
 class KerasLayer(base_layer.BaseLayer):
     """Runs a Keras layer (or nested Keras model) statelessly on theta; see the module doc."""
 
@@ -284,15 +315,17 @@ class KerasLayer(base_layer.BaseLayer):
         check_supported(layer)
         if not layer.built:
             layer.build((None, *p.input_shape))
-        self._layer = layer
-        used: set[str] = set()
+        # Not tracked as a checkpoint dependency: Keras' object graph is named by
+        # process-wide counters; the weights are saved through theta's stable keys.
+        object.__setattr__(self, "_layer", layer)
+        key_of_variable = variable_keys(layer)
         self._trainable_keys = []
         self._non_trainable_keys = []
         for keys, variables in ((self._trainable_keys, layer.trainable_variables),
                                 (self._non_trainable_keys, layer.non_trainable_variables)):
             for v in variables:
-                key = _variable_key(v.path, layer.name, used)
-                self._private_vars[key] = v.value
+                key = key_of_variable[id(v)]
+                self._private_vars[key] = _rename(v, f"{self.path}/{key}".replace("/", "."))
                 keys.append(key)
         key_of = {id(v): k for k, v in zip(
             self._trainable_keys + self._non_trainable_keys,
