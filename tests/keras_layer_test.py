@@ -125,6 +125,15 @@ class KerasLayerTest(tf.test.TestCase):
         q.FromText("keras_layer[config][rate] : 0.5")
         self.assertEqual(q.Set(name="d", input_shape=[5]).Instantiate().keras_layer.rate, 0.5)
 
+    def test_initial_weights_follow_random_seed_and_path(self):
+        def kernel(seed, name="k"):
+            p = _params(keras.layers.Dense(3), [2]).Set(name=name, random_seed=seed)
+            return p.Instantiate().keras_layer.kernel.numpy()
+
+        self.assertAllEqual(kernel(3), kernel(3))
+        self.assertNotAllClose(kernel(3), kernel(4))
+        self.assertNotAllClose(kernel(3), kernel(3, name="other"))
+
     def test_fprop_equals_the_keras_layer_and_nested_model(self):
         x = tf.random.stateless_normal([4, 6], seed=[1, 2])
         sub = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import random
 import re
 import threading
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, hyperparams
+from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
 from lingvo_lite.layers import keras_flops, keras_random
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
@@ -311,10 +312,18 @@ class KerasLayer(base_layer.BaseLayer):
         if p.input_shape is None:
             raise ValueError(f"{self.path}: p.input_shape (one example's shape, without the "
                              "batch dimension) is needed to build the Keras layer's weights.")
-        layer = deserialize(p.keras_layer)
-        check_supported(layer)
-        if not layer.built:
-            layer.build((None, *p.input_shape))
+        # Keras seeds unseeded initializers and seed generators from Python's `random`:
+        # seed it from random_seed and the layer path, so a run's initial weights repeat.
+        state = random.getstate()
+        random.seed(int.from_bytes(repr(weight_params.derive_seed(
+            p.random_seed, self.path)).encode(), "little"))
+        try:
+            layer = deserialize(p.keras_layer)
+            check_supported(layer)
+            if not layer.built:
+                layer.build((None, *p.input_shape))
+        finally:
+            random.setstate(state)
         # Not tracked as a checkpoint dependency: Keras' object graph is named by
         # process-wide counters; the weights are saved through theta's stable keys.
         object.__setattr__(self, "_layer", layer)
