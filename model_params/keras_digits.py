@@ -82,7 +82,7 @@ class ResNetDigits(model_registry.SingleTaskModelParams):
         p.train.Set(
             learning_rate=3e-3, optimizer=optimizers.Adam.Params(),
             lr_schedule=lr_schedule.CosineDecay.Params().Set(
-                warmup_steps=20, total_steps=300, final_factor=0.05),
-            max_steps=300, save_interval_steps=100, summary_interval_steps=10,
-            log_interval_steps=25, eval_interval_steps=150)
+                warmup_steps=20, total_steps=400, final_factor=0.05),
+            max_steps=400, save_interval_steps=100, summary_interval_steps=10,
+            log_interval_steps=25, eval_interval_steps=200)
         return p
