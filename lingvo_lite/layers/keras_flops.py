@@ -50,7 +50,12 @@ def _prod(values: Sequence[Any]) -> int:
 
 
 def activation_flops_per_element(activation: Any) -> int:
-    """Cost of one element of a Keras activation (name or function)."""
+    """Cost of one element of a Keras activation (name or function).
+
+    Example:
+        >>> activation_flops_per_element('relu'), activation_flops_per_element('tanh')
+        (1, 4)
+    """
     name = activation if isinstance(activation, str) else getattr(activation, "__name__", "")
     name = (name or "linear").lower()
     if name == "linear":
@@ -139,7 +144,12 @@ def _pool(layer: Any, x: Sequence[int], y: Sequence[int]) -> float:
 
 def formula_flops(layer: Any, in_shapes: Sequence[Sequence[int]],
                   out_shape: Sequence[int]) -> float | None:
-    """Hand-formula flops of `layer` (inputs `in_shapes`, output `out_shape`), else None."""
+    """Hand-formula flops of `layer` (inputs `in_shapes`, output `out_shape`), else None.
+
+    Example:
+        >>> formula_flops(keras.layers.Conv1D(4, 3), [(1, 5, 2)], (1, 3, 4))
+        156.0
+    """
     name = type(layer).__name__
     x = [int(d) for d in in_shapes[0]]
     y = [int(d) for d in out_shape]
@@ -196,7 +206,12 @@ def _submodel_flops(model: keras.Model, batch: int) -> float | None:
 
 
 def measured_flops(layer: Any, in_shapes: Sequence[Sequence[int]]) -> float:
-    """Flops TensorFlow's profiler counts in `layer.call` traced on `in_shapes` (training)."""
+    """Flops TensorFlow's profiler counts in `layer.call` traced on `in_shapes` (training).
+
+    Example:
+        >>> measured_flops(keras.layers.Dense(2, use_bias=False), [(1, 3)])
+        12.0
+    """
     specs = [tf.TensorSpec(s, tf.float32) for s in in_shapes]
 
     def call(*xs: tf.Tensor) -> Any:

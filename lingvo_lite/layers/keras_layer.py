@@ -59,7 +59,12 @@ _local = threading.local()
 
 
 def serialize(layer: keras.layers.Layer) -> dict:
-    """A Keras layer's serialized config, as `KerasLayer.Params().keras_layer` holds it."""
+    """A Keras layer's serialized config, as `KerasLayer.Params().keras_layer` holds it.
+
+    Example:
+        >>> deserialize(serialize(keras.layers.Dense(4))).units
+        4
+    """
     return keras.saving.serialize_keras_object(layer)
 
 
@@ -95,6 +100,12 @@ def variable_keys(layer: keras.layers.Layer) -> dict[int, str]:
     layer's are prefixed with its class and depth-first position, not its name (Keras
     numbers unnamed layers and seed generators with process-wide counters), e.g.
     'batch_normalization_4_gamma'; a random layer's seed state is '..._seed_state'.
+
+    Example:
+        >>> dense = keras.layers.Dense(2)
+        >>> dense.build((None, 3))
+        >>> sorted(variable_keys(dense).values())
+        ['bias', 'kernel']
     """
     keys: dict[int, str] = {}
     used: set[str] = set()
@@ -115,7 +126,15 @@ def variable_keys(layer: keras.layers.Layer) -> dict[int, str]:
 
 
 def check_supported(layer: keras.layers.Layer) -> None:
-    """Raises a ValueError naming any (nested) layer whose state cannot be made exact."""
+    """Raises a ValueError naming any (nested) layer whose state cannot be made exact.
+
+    Example:
+        >>> check_supported(keras.layers.Dropout(0.5))  # Mapped: exact.
+        >>> check_supported(keras.layers.AlphaDropout(0.5, name='a'))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Keras layer 'a' (AlphaDropout) draws random numbers, ...
+    """
     for sub in _sublayers(layer):
         name = f"'{sub.name}' ({type(sub).__name__})"
         if isinstance(sub, keras.layers.BatchNormalization) and sub.renorm:
@@ -141,6 +160,12 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any) -> None:
 
     Runs the layer once on zeros of one example; call it inside `tf.Graph().as_default()`
     so nothing executes (pipeline_params does).
+
+    Example:
+        >>> with tf.Graph().as_default():
+        ...     bn = keras.layers.BatchNormalization()
+        ...     bn.build((None, 3))
+        ...     check_call_state(bn, [3])  # Its moving statistics are pooled: accepted.
     """
     handled = set()
     for sub in _sublayers(layer):
@@ -443,7 +468,13 @@ class KerasLayer(base_layer.BaseLayer):
 
 
 def iter_keras_layers(layers: Any) -> Iterator[keras.layers.Layer]:
-    """The Keras layers of a `keras.Sequential` or a list of layers, inputs skipped."""
+    """The Keras layers of a `keras.Sequential` or a list of layers, inputs skipped.
+
+    Example:
+        >>> seq = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> [type(layer).__name__ for layer in iter_keras_layers(seq)]
+        ['Dense']
+    """
     if isinstance(layers, keras.Sequential):
         layers = layers.layers
     for layer in layers:

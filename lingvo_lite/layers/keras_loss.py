@@ -38,7 +38,12 @@ LOSS_FLOPS_PER_ELEMENT = 3
 
 
 def make_loss(config: Any) -> keras.losses.Loss:
-    """A Keras Loss object from a name, a serialized loss or a loss, as `compile` makes it."""
+    """A Keras Loss object from a name, a serialized loss or a loss, as `compile` makes it.
+
+    Example:
+        >>> float(make_loss('mse')(tf.zeros([2, 1]), tf.ones([2, 1])))
+        1.0
+    """
     loss = keras.losses.get(config)
     if loss is None:
         raise ValueError(f"No Keras loss for {config!r}; pass a name such as "
@@ -49,7 +54,12 @@ def make_loss(config: Any) -> keras.losses.Loss:
 
 
 def serialize_loss(loss: Any) -> Any:
-    """What `KerasLossLayer.Params().loss` holds for `loss` (a name stays a name)."""
+    """What `KerasLossLayer.Params().loss` holds for `loss` (a name stays a name).
+
+    Example:
+        >>> serialize_loss(keras.losses.Huber())['class_name']
+        'Huber'
+    """
     return loss if isinstance(loss, str) else keras.losses.serialize(loss)
 
 

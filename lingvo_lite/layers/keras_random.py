@@ -11,6 +11,14 @@ e % 4 (4 values per block, for the uniform and the Box-Muller normal alike), so 
 slice is produced by advancing the 128-bit counter by (o * per_example) // 4 blocks
 and dropping the first (o * per_example) % 4 values. Bit for bit what Keras draws for
 the whole batch (tests/keras_layer_test.py checks it against Keras' own ops).
+
+Example:
+    >>> import numpy as np
+    >>> state = tf.constant([7, 0], tf.int64)
+    >>> full = tf.random.stateless_uniform([6, 5], seed=keras_seed(state))
+    >>> rows = stream_slice('uniform', [2, 5], state, example_offset=3)
+    >>> bool(np.array_equal(rows, full[3:5]))
+    True
 """
 
 from __future__ import annotations
