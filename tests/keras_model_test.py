@@ -100,10 +100,11 @@ def _gpipe_reference(num_micro: int) -> list[list[np.ndarray]]:
     return after
 
 
-def _pipelined(num_cells: int, num_micro: int, remat: str,
-               schedule: str = "gpipe") -> PipelinedModel:
+def _pipelined(num_cells: int, num_micro: int, remat: str, schedule: str = "gpipe",
+               serial_devices: bool = False) -> PipelinedModel:
     model = PipelinedModel(_sequential(), num_cells=num_cells, num_micro_batches=num_micro,
-                           remat=remat, schedule=schedule, partition_method="uniform")
+                           remat=remat, schedule=schedule, partition_method="uniform",
+                           serial_devices=serial_devices)
     model.compile(optimizer=_optimizer(), loss=_loss(), metrics=["accuracy"])
     return model
 
@@ -120,11 +121,12 @@ class KerasModelTest(tf.test.TestCase):
         x, y = _data()
         for num_micro in (1, 4):
             expected = _gpipe_reference(num_micro)
-            runs = [(k, remat, "gpipe") for k in (1, 2, 3) for remat in ("always", "never")]
-            runs.append((2, "except_last", "1f1b"))
-            for num_cells, remat, schedule in runs:
-                with self.subTest(K=num_cells, T=num_micro, remat=remat, schedule=schedule):
-                    model = _pipelined(num_cells, num_micro, remat, schedule)
+            runs = [(k, remat, "gpipe", False) for k in (1, 2, 3) for remat in ("always", "never")]
+            runs += [(2, "except_last", "1f1b", False), (2, "except_last", "gpipe", True)]
+            for num_cells, remat, schedule, serial in runs:
+                with self.subTest(K=num_cells, T=num_micro, remat=remat, schedule=schedule,
+                                  serial_devices=serial):
+                    model = _pipelined(num_cells, num_micro, remat, schedule, serial)
                     pipe = model.pipeline
                     self.assertEqual(pipe.num_cells, num_cells)
                     for k in range(num_cells):  # Weights live on their cell's device.
