@@ -146,16 +146,22 @@ class KerasModelTest(tf.test.TestCase):
 
         def sequential():
             keras.utils.set_random_seed(2)
-            return keras.Sequential([keras.Input((D,)), keras.layers.Dense(12, activation="relu"),
-                                     keras.layers.Dropout(RATE, seed=SEED),
-                                     keras.layers.Dense(CLASSES)])
+            return keras.Sequential([
+                keras.Input((D,)),
+                keras.layers.Dense(12, activation="relu",
+                                   kernel_regularizer=keras.regularizers.L2(0.05)),
+                keras.layers.Dropout(RATE, seed=SEED),
+                keras.layers.Dense(CLASSES, bias_regularizer=keras.regularizers.L1(0.05))])
 
         plain = sequential()
         model = PipelinedModel(sequential(), num_cells=2, num_micro_batches=4, remat="always")
         for m in (plain, model):
             m.compile(optimizer=_optimizer(), loss=_loss())
-            m.fit(x, y, sample_weight=weights, batch_size=N, epochs=3, shuffle=False, verbose=0)
+            history = m.fit(x, y, sample_weight=weights, batch_size=N, epochs=3, shuffle=False,
+                            verbose=0)
+            losses = history.history["loss"]
         _assert_weights_close(self, model.get_weights(), plain.get_weights())
+        self.assertAllClose(losses, plain.history.history["loss"], rtol=TOL, atol=TOL)
 
     def test_saved_weights_load_into_the_plain_sequential(self):
         x, y = _data()
@@ -259,6 +265,9 @@ class UnsupportedLayersTest(tf.test.TestCase):
             PipelinedModel([keras.layers.AlphaDropout(0.1, name="noise")], input_shape=(D,))
         with self.assertRaisesRegex(ValueError, "'bn' .*renormalisation"):
             PipelinedModel([keras.layers.BatchNormalization(renorm=True, name="bn")],
+                           input_shape=(D,))
+        with self.assertRaisesRegex(ValueError, "'act' has activity_regularizer"):
+            PipelinedModel([keras.layers.Dense(3, activity_regularizer="l2", name="act")],
                            input_shape=(D,))
 
 

@@ -9,7 +9,8 @@ becomes a `KerasLayer` (its weights on its cell's device) and the compiled loss 
 
 What matches the unpipelined Sequential (tests/keras_model_test.py):
 - the loss, the gradients and so the weights after `fit` steps, for every K, T, remat
-  and schedule, dropout included (each example gets the mask the whole batch would);
+  and schedule, dropout included (each example gets the mask the whole batch would),
+  weight regularizers' penalties included (activity regularizers are refused);
 - with BatchNormalization, T = 1 matches exactly; for T > 1 each micro-batch is
   normalised with its own moments (GPipe) and the moving statistics are updated once
   per mini-batch from the exactly pooled moments;
@@ -57,23 +58,28 @@ class _Hidden:
         self.__dict__.update(items)
 
 
-def _check_no_regularizers(layer: keras.layers.Layer) -> None:
+def _check_regularizers(layer: keras.layers.Layer, allow_weight_regularizers: bool) -> None:
     for sub in layer._flatten_layers(include_self=True, recursive=True):
-        names = [k for k, v in vars(sub).items()
-                 if k.endswith("regularizer") and v is not None]
-        if names:
-            raise ValueError(
-                f"Keras layer '{sub.name}' has {', '.join(sorted(names))}: PipelinedModel does "
-                "not add regularisation losses to the pipelined loss yet; remove the "
-                "regularizer (or add the penalty to the loss yourself).")
+        names = [k for k, v in vars(sub).items() if k.endswith("regularizer") and v is not None
+                 and (not allow_weight_regularizers or "activity" in k)]
+        if not names:
+            continue
+        if any("activity" in n for n in names):
+            why = ("its penalty depends on the activations of the whole batch and is not "
+                   "added to the pipelined loss; remove it")
+        else:
+            why = ("only PipelinedModel adds weight penalties to the loss; remove it (with "
+                   "trainer.py use train.l2_regularizer_weight)")
+        raise ValueError(f"Keras layer '{sub.name}' has {', '.join(sorted(names))}: {why}.")
 
 
-def _keras_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
+def _keras_layer_params(layers: Any, input_shape: Sequence[int],
+                        allow_weight_regularizers: bool = False) -> list[Any]:
     """KerasLayer params of each layer, with the input shape Keras infers for it."""
     layer_params = []
     spec = keras.KerasTensor((None, *input_shape))
     for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
-        _check_no_regularizers(layer)
+        _check_regularizers(layer, allow_weight_regularizers)
         keras_layer.check_supported(layer)
         config = keras_layer.serialize(layer)
         shape = list(spec.shape[1:])
@@ -93,7 +99,8 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
                     placement: Any = "auto", partition_method: str = "min_max",
                     split_points: Sequence[int] | None = None, serial_devices: bool = False,
                     loss: Any = None, cost_batch_size: int = 1,
-                    name: str = "keras_pipeline") -> Any:
+                    name: str = "keras_pipeline",
+                    allow_weight_regularizers: bool = False) -> Any:
     """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
 
     `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
@@ -102,7 +109,10 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     after reading the params, and creating Keras weights eagerly would start TF first).
     `input_shape` is one example's shape; `cost_batch_size` the batch the cost model
     (partitioning, inspect_model) assumes. `loss`: any form `compile(loss=...)` takes,
-    or None to set it later (`KerasLossLayer.set_loss`).
+    or None to set it later (`KerasLossLayer.set_loss`). Weight regularizers
+    (kernel_regularizer, ...) are refused unless `allow_weight_regularizers` (PipelinedModel
+    adds their penalty itself; a trainer.py task would silently drop it); activity
+    regularizers are always refused.
 
     Example:
         >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
@@ -115,7 +125,7 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     with tf.Graph().as_default():
         if callable(layers) and not isinstance(layers, keras.layers.Layer):
             layers = layers()
-        layer_params = _keras_layer_params(layers, input_shape)
+        layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
         name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
     return pipelining_layer.PipeliningLayer.Params().Set(
@@ -167,7 +177,7 @@ class PipelinedModel(keras.Model):
             micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
             placement=placement, partition_method=partition_method,
             split_points=split_points, serial_devices=serial_devices,
-            cost_batch_size=cost_batch_size)
+            cost_batch_size=cost_batch_size, allow_weight_regularizers=True)
         pipeline = params.Instantiate()
         wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
         for source, target in zip(sources, wrapped):
@@ -234,9 +244,16 @@ class PipelinedModel(keras.Model):
         flat = grads.Flatten()
         variables = self.plain.trainable_variables
         gradients = [flat[i] for i in self._hidden.grad_index]
+        loss = out.loss
+        for i, v in enumerate(variables):  # Weight regularizers: penalties of weights alone.
+            if v.regularizer is not None:
+                with tf.device(v.value.device), tf.GradientTape() as tape:
+                    penalty = tf.cast(v.regularizer(v), loss.dtype)
+                gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
+                loss = loss + penalty
         self.optimizer.apply_gradients(zip(gradients, variables))
         collector.apply()
-        self._loss_tracker.update_state(out.loss, sample_weight=tf.shape(x)[0])
+        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
         return self.compute_metrics(x, y, out.predictions, sample_weight=sample_weight)
 
     def _static_batch(self, t: tf.Tensor) -> tf.Tensor:
