@@ -264,8 +264,10 @@ class PipelinedModel(keras.Model):
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
             **kwargs: Any) -> keras.callbacks.History:
         """`keras.Model.fit`; every training batch must have `batch_size` examples."""
-        self._hidden.batch_size = _training_batch_size(
-            x, batch_size, kwargs.get("validation_split", 0.0))
+        size = _training_batch_size(x, batch_size, kwargs.get("validation_split", 0.0))
+        if size != self._hidden.batch_size:
+            self.train_function = None  # Traced for the previous static batch size.
+        self._hidden.batch_size = size
         if self._hidden.batch_size is not None:
             try:
                 self.pipeline.num_micro_batches_for(self._hidden.batch_size)
