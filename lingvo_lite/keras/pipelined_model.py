@@ -1,0 +1,344 @@
+"""PipelinedModel: a keras.Model that trains a Keras layer stack as a GPipe pipeline.
+
+Give it the layers of a `keras.Sequential` (or the Sequential itself) and the
+pipeline's K, T, re-materialisation, schedule and placement; `compile`, `fit`,
+`evaluate`, `predict` and Keras callbacks work as for the Sequential. Each Keras layer
+becomes a `KerasLayer` (its weights on its cell's device) and the compiled loss a
+`KerasLossLayer` at the end of a `PipeliningLayer`; `train_step` runs
+`PipeliningLayer.FPropAndGrads` and hands the gradients to the Keras optimizer.
+
+What matches the unpipelined Sequential (tests/keras_model_test.py):
+- the loss, the gradients and so the weights after `fit` steps, for every K, T, remat
+  and schedule, dropout included (each example gets the mask the whole batch would),
+  weight regularizers' penalties included (activity regularizers are refused);
+- with BatchNormalization, T = 1 matches exactly; for T > 1 each micro-batch is
+  normalised with its own moments (GPipe) and the moving statistics are updated once
+  per mini-batch from the exactly pooled moments;
+- `get_weights`/`set_weights`/`save_weights`/`load_weights` use the Sequential's
+  layout: weights saved from one load into the other. `save('m.keras')` and
+  `keras.models.load_model('m.keras')` round-trip the whole model (config, weights,
+  compile settings).
+
+Training needs equal batches (the pipeline splits a static mini-batch into T
+micro-batches): `fit` on arrays needs a batch_size dividing the number of training
+examples, and a tf.data.Dataset must be batched with drop_remainder=True. Evaluation
+and prediction take any batch.
+
+Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
+    >>> from lingvo_lite import devices
+    >>> _ = devices.configure_logical_cpus(2)
+    >>> model = PipelinedModel(
+    ...     [keras.layers.Dense(32, activation='relu'), keras.layers.Dropout(0.1),
+    ...      keras.layers.Dense(10)],
+    ...     input_shape=(64,), num_cells=2, num_micro_batches=4)
+    >>> model.compile(optimizer='adam', metrics=['accuracy'],
+    ...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> history = model.fit(x, y, batch_size=32, epochs=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from lingvo_lite import fprop_context
+from lingvo_lite.layers import keras_layer, keras_loss
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import pipelining_layer
+
+
+class _Hidden:
+    """Holds objects Keras must not track (their variables are tracked elsewhere)."""
+
+    def __init__(self, **items: Any) -> None:
+        self.__dict__.update(items)
+
+
+def _check_regularizers(layer: keras.layers.Layer, allow_weight_regularizers: bool) -> None:
+    for sub in layer._flatten_layers(include_self=True, recursive=True):
+        names = [k for k, v in vars(sub).items() if k.endswith("regularizer") and v is not None
+                 and (not allow_weight_regularizers or "activity" in k)]
+        if not names:
+            continue
+        if any("activity" in n for n in names):
+            why = ("its penalty depends on the activations of the whole batch and is not "
+                   "added to the pipelined loss; remove it")
+        else:
+            why = ("only PipelinedModel adds weight penalties to the loss; remove it (with "
+                   "trainer.py use train.l2_regularizer_weight)")
+        raise ValueError(f"Keras layer '{sub.name}' has {', '.join(sorted(names))}: {why}.")
+
+
+def _keras_layer_params(layers: Any, input_shape: Sequence[int],
+                        allow_weight_regularizers: bool = False) -> list[Any]:
+    """KerasLayer params of each layer, with the input shape Keras infers for it."""
+    layer_params = []
+    spec = keras.KerasTensor((None, *input_shape))
+    for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
+        _check_regularizers(layer, allow_weight_regularizers)
+        keras_layer.check_supported(layer)
+        config = keras_layer.serialize(layer)
+        shape = list(spec.shape[1:])
+        probe = keras_layer.deserialize(config)
+        if not probe.built:
+            probe.build(spec.shape)
+        keras_layer.check_call_state(probe, shape)
+        spec = probe.compute_output_spec(spec)
+        layer_params.append(keras_layer.KerasLayer.Params().Set(
+            name=f"keras_{i}_{layer.name}", keras_layer=config, input_shape=shape))
+    return layer_params
+
+
+def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
+                    num_micro_batches: int | None = None, micro_batch_size: int | None = None,
+                    remat: str = "except_last", schedule: str = "gpipe",
+                    placement: Any = "auto", partition_method: str = "min_max",
+                    split_points: Sequence[int] | None = None, serial_devices: bool = False,
+                    loss: Any = None, cost_batch_size: int = 1,
+                    name: str = "keras_pipeline",
+                    allow_weight_regularizers: bool = False) -> Any:
+    """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
+
+    `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
+    either; a function is called inside a `tf.Graph`, so no TensorFlow op runs (a
+    registered model's `Task()` should pass one: trainer.py configures the devices
+    after reading the params, and creating Keras weights eagerly would start TF first).
+    `input_shape` is one example's shape; `cost_batch_size` the batch the cost model
+    (partitioning, inspect_model) assumes. `loss`: any form `compile(loss=...)` takes,
+    or None to set it later (`KerasLossLayer.set_loss`). Weight regularizers
+    (kernel_regularizer, ...) are refused unless `allow_weight_regularizers` (PipelinedModel
+    adds their penalty itself; a trainer.py task would silently drop it); activity
+    regularizers are always refused.
+
+    Example:
+        >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
+        ...                     num_cells=2, loss='mse')
+        >>> len(p.layers)
+        3
+    """
+    # Probe layers are built in a graph: no TensorFlow op runs, so a registered model's
+    # Task() can call this before trainer.py configures the devices.
+    with tf.Graph().as_default():
+        if callable(layers) and not isinstance(layers, keras.layers.Layer):
+            layers = layers()
+        layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
+    layer_params.append(keras_loss.KerasLossLayer.Params().Set(
+        name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name=name, layers=layer_params, num_cells=num_cells,
+        num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
+        remat=remat, schedule=schedule, placement=placement,
+        partition_method=partition_method, split_points=split_points,
+        serial_devices=serial_devices,
+        input_shapes=NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape])))
+
+
+@keras.saving.register_keras_serializable(package="lingvo_lite")
+class PipelinedModel(keras.Model):
+    """A Keras model whose `fit` runs a GPipe pipeline; see the module doc.
+
+    Args:
+      layers: a list of Keras layers, or a `keras.Sequential` (its layers are used, and
+        its weights, including dropout seed states, copied when it is built).
+      input_shape: one example's shape; taken from the Sequential's input if omitted.
+      num_cells, num_micro_batches, micro_batch_size, remat, schedule, placement,
+      partition_method, split_points, serial_devices: as in `PipeliningLayer.Params()`.
+      cost_batch_size: batch size the cost model assumes when partitioning.
+    """
+
+    def __init__(self, layers: Any, input_shape: Sequence[int] | None = None,
+                 num_cells: int = 1, num_micro_batches: int | None = None,
+                 micro_batch_size: int | None = None, remat: str = "except_last",
+                 schedule: str = "gpipe", placement: Any = "auto",
+                 partition_method: str = "min_max", split_points: Sequence[int] | None = None,
+                 serial_devices: bool = False, cost_batch_size: int = 1,
+                 name: str | None = None) -> None:
+        super().__init__(name=name)
+        sources = list(keras_layer.iter_keras_layers(layers))
+        if not sources:
+            raise ValueError("PipelinedModel: `layers` is empty; give the Keras layers to "
+                             "pipeline.")
+        if input_shape is None:
+            input_shape = _input_shape_of(layers)
+        input_shape = tuple(int(d) for d in input_shape)
+        self._config = dict(
+            layers=[keras_layer.serialize(layer) for layer in sources],
+            input_shape=list(input_shape), num_cells=num_cells,
+            num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
+            remat=remat, schedule=schedule, placement=placement,
+            partition_method=partition_method, split_points=split_points,
+            serial_devices=serial_devices, cost_batch_size=cost_batch_size)
+        params = pipeline_params(
+            sources, input_shape, num_cells=num_cells, num_micro_batches=num_micro_batches,
+            micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
+            placement=placement, partition_method=partition_method,
+            split_points=split_points, serial_devices=serial_devices,
+            cost_batch_size=cost_batch_size, allow_weight_regularizers=True)
+        pipeline = params.Instantiate()
+        wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
+        for source, target in zip(sources, wrapped):
+            _copy_state(source, target)
+        # The same layer objects (hence variables) as a plain Sequential: Keras tracks and
+        # saves the weights through it, in the Sequential's layout.
+        self.plain = keras.Sequential([keras.Input(input_shape), *wrapped], name="layers")
+        self._hidden = _Hidden(pipeline=pipeline, batch_size=None)
+        flat = pipeline.theta.Flatten()
+        position = {id(leaf): i for i, leaf in enumerate(flat)}
+        self._hidden.grad_index = [position[id(v.value)] for v in self.plain.trainable_variables]
+        self.built = True
+
+    # -- the pipeline ----------------------------------------------------------
+
+    @property
+    def pipeline(self) -> pipelining_layer.PipeliningLayer:
+        """The PipeliningLayer that runs the layers (partition, devices, schedule)."""
+        return self._hidden.pipeline
+
+    def _resolve_auto_jit_compile(self) -> bool:
+        # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
+        # device, while the pipeline places every cell on its own: default to no XLA.
+        return False
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        pipe = self.pipeline
+        x = tf.convert_to_tensor(inputs)
+        collector = fprop_context.UpdateCollector() if training else None
+        with fprop_context.fprop_context(training=bool(training), updates=collector):
+            batch = x.shape[0]
+            if batch is not None and batch % pipe.num_micro_batches_for(batch) == 0:
+                out = pipe.FProp(pipe.theta, NestedMap(x=x))
+            else:
+                out = self._unsplit_forward(NestedMap(x=x))
+        if collector is not None:
+            collector.apply()
+        return out.predictions
+
+    def _unsplit_forward(self, inputs: NestedMap) -> NestedMap:
+        """All cells in order on the whole batch (each on its device): any batch size."""
+        pipe = self.pipeline
+        x = inputs
+        for k in range(pipe.num_cells):
+            with tf.device(pipe.devices[k]):
+                for i in pipe.cell_layers(k):
+                    x = pipe.layers[i].FProp(pipe.theta.layers[i], x)
+        return x
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return self.plain.compute_output_shape(input_shape)
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x = self._static_batch(tf.convert_to_tensor(x))
+        inputs = NestedMap(x=x, y=self._static_batch(tf.convert_to_tensor(y)))
+        if sample_weight is not None:
+            inputs.sample_weight = self._static_batch(tf.convert_to_tensor(sample_weight))
+        pipe = self.pipeline
+        pipe.layers[-1].set_loss(self.loss)  # The loss given to compile().
+        collector = fprop_context.UpdateCollector()
+        with fprop_context.fprop_context(training=True, updates=collector):
+            out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+        flat = grads.Flatten()
+        variables = self.plain.trainable_variables
+        gradients = [flat[i] for i in self._hidden.grad_index]
+        loss = out.loss
+        for i, v in enumerate(variables):  # Weight regularizers: penalties of weights alone.
+            if v.regularizer is not None:
+                with tf.device(v.value.device), tf.GradientTape() as tape:
+                    penalty = tf.cast(v.regularizer(v), loss.dtype)
+                gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
+                loss = loss + penalty
+        self.optimizer.apply_gradients(zip(gradients, variables))
+        collector.apply()
+        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        return self.compute_metrics(x, y, out.predictions, sample_weight=sample_weight)
+
+    def _static_batch(self, t: tf.Tensor) -> tf.Tensor:
+        if t.shape.rank and t.shape[0] is None and self._hidden.batch_size is not None:
+            return tf.ensure_shape(t, [self._hidden.batch_size, *t.shape[1:]])
+        return t
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+            **kwargs: Any) -> keras.callbacks.History:
+        """`keras.Model.fit`; every training batch must have `batch_size` examples."""
+        size = _training_batch_size(x, batch_size, kwargs.get("validation_split", 0.0))
+        if size != self._hidden.batch_size:
+            self.train_function = None  # Traced for the previous static batch size.
+        self._hidden.batch_size = size
+        if self._hidden.batch_size is not None:
+            try:
+                self.pipeline.num_micro_batches_for(self._hidden.batch_size)
+            except ValueError as e:
+                raise ValueError(f"PipelinedModel.fit with batch_size="
+                                 f"{self._hidden.batch_size}: {e}") from None
+        return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+    # -- weights in the plain Sequential's layout --------------------------------
+
+    def get_weights(self) -> list[Any]:
+        return self.plain.get_weights()
+
+    def set_weights(self, weights: list[Any]) -> None:
+        self.plain.set_weights(weights)
+
+    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        self.plain.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        self.plain.load_weights(filepath, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return dict(self._config, name=self.name)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PipelinedModel:
+        config = dict(config)
+        layers = [keras_layer.deserialize(c) for c in config.pop("layers")]
+        return cls(layers, **config)
+
+
+def _input_shape_of(layers: Any) -> tuple[int, ...]:
+    if isinstance(layers, keras.Sequential):
+        try:
+            return tuple(layers.input_shape[1:])
+        except (AttributeError, ValueError):
+            pass
+    raise ValueError("PipelinedModel: pass input_shape (one example's shape, e.g. (8, 8, 1)), "
+                     "or a keras.Sequential that starts with keras.Input.")
+
+
+def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
+    """Copies the user's layer's variables (weights, seed states) into the wrapped copy."""
+    src, dst = source.variables, target.variables
+    if len(src) != len(dst) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(src, dst)):
+        return  # Not built yet: the copy keeps its own initial values.
+    for a, b in zip(src, dst):
+        b.assign(a.value)
+
+
+def _training_batch_size(x: Any, batch_size: int | None, validation_split: float) -> int | None:
+    """The static training batch size, or a one-line error when batches would differ."""
+    if isinstance(x, tf.data.Dataset):
+        spec = tf.nest.flatten(x.element_spec)[0]
+        if spec.shape.rank and spec.shape[0] is None:
+            raise ValueError(
+                "PipelinedModel.fit: the dataset's batch size is not static; batch it with "
+                "dataset.batch(batch_size, drop_remainder=True) so every batch splits into "
+                "the same micro-batches.")
+        return None
+    leaves = tf.nest.flatten(x)
+    if not leaves or not hasattr(leaves[0], "shape"):
+        return batch_size
+    size = batch_size or 32
+    num = int(leaves[0].shape[0])
+    if validation_split:
+        num = int(math.floor(num * (1.0 - validation_split)))
+    if num % size:
+        raise ValueError(
+            f"PipelinedModel.fit: {num} training examples do not split into batches of "
+            f"batch_size={size}; the pipeline needs every batch the same size: pass a "
+            "batch_size that divides the number of examples (or drop the remainder).")
+    return size

@@ -1,0 +1,482 @@
+"""A Keras 3 layer as a lingvo-lite layer: Params, theta, stateless FProp, FPropMeta.
+
+`KerasLayer.Params()` holds the Keras layer's serialized config
+(`keras.saving.serialize_keras_object`), so `ToText`/`FromText`, `inspect_params` and
+overrides work on it (e.g. `network.layers[2].keras_layer[config][rate] : 0.2`). Instantiated
+inside a pipeline cell's device scope, the layer builds its Keras weights there; their
+`tf.Variable`s are this layer's variables and `theta`. `FProp(theta, x)` runs the
+Keras layer with `stateless_call` on theta, so the pipeline can read a cell's weights
+on the cell's device, differentiate with respect to them and recompute the forward.
+A nested `Sequential` or functional model is one layer.
+
+State is made exact under micro-batching and recomputation (any depth of nesting):
+- Dropout, SpatialDropout*, GaussianNoise and GaussianDropout draw, for the examples
+  of a micro-batch, exactly the rows Keras draws for the whole mini-batch
+  (`keras_random`), from the seed-generator state in theta. A recomputation reads the
+  same theta, hence the same masks; the state advances once per mini-batch (as one
+  Keras `fit` step advances it), through the step's `UpdateCollector`.
+- BatchNormalization normalises each micro-batch with its own moments (GPipe) and
+  reports them; the moving mean and variance are updated once per mini-batch from the
+  exactly pooled moments, with Keras' momentum formula.
+- Any other layer that draws random numbers, uses batch renormalisation, or changes a
+  non-trainable weight in its call is refused with an error naming it.
+
+Inputs: a tensor, or a NestedMap whose `p.field` entry the layer transforms (the
+other entries, e.g. the labels, pass through).
+
+Example:
+    >>> import keras
+    >>> import tensorflow as tf
+    >>> from lingvo_lite.layers import keras_layer
+    >>> p = keras_layer.KerasLayer.Params().Set(
+    ...     name='dense', keras_layer=keras_layer.serialize(keras.layers.Dense(4)),
+    ...     input_shape=[3])
+    >>> layer = p.Instantiate()
+    >>> layer.FProp(layer.theta, tf.ones([2, 3])).shape
+    TensorShape([2, 4])
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
+from lingvo_lite.layers import keras_flops, keras_random
+from lingvo_lite.layers.normalization import pool_moments
+from lingvo_lite.nested_map import NestedMap
+
+_DROPOUT_CLASSES = (keras.layers.Dropout,)  # SpatialDropout1D/2D/3D subclass Dropout.
+_NOISE_CLASSES = (keras.layers.GaussianNoise, keras.layers.GaussianDropout)
+_local = threading.local()
+
+
+def serialize(layer: keras.layers.Layer) -> dict:
+    """A Keras layer's serialized config, as `KerasLayer.Params().keras_layer` holds it.
+
+    Example:
+        >>> deserialize(serialize(keras.layers.Dense(4))).units
+        4
+    """
+    return keras.saving.serialize_keras_object(layer)
+
+
+def deserialize(config: dict) -> keras.layers.Layer:
+    """A fresh Keras layer from `serialize`'s output (custom classes must be registered)."""
+    # Keras pops entries from the config it deserializes (the params' copy must survive),
+    # and inside keras.models.load_model it would hand back an already deserialized
+    # object for a `shared_object_id`: every KerasLayer needs its own.
+    return keras.saving.deserialize_keras_object(_unshared(copy.deepcopy(config)))
+
+
+def _unshared(config: Any) -> Any:
+    if isinstance(config, dict):
+        return {k: _unshared(v) for k, v in config.items() if k != "shared_object_id"}
+    if isinstance(config, list):
+        return [_unshared(v) for v in config]
+    return config
+
+
+def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """`layer` and every layer nested in it, depth first, each once."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def variable_keys(layer: keras.layers.Layer) -> dict[int, str]:
+    """Theta key of each variable of `layer`, by `id`: stable across processes and builds.
+
+    The layer's own variables keep their names ('kernel', 'moving_mean'); a nested
+    layer's are prefixed with its class and depth-first position, not its name (Keras
+    numbers unnamed layers and seed generators with process-wide counters), e.g.
+    'batch_normalization_4_gamma'; a random layer's seed state is '..._seed_state'.
+
+    Example:
+        >>> dense = keras.layers.Dense(2)
+        >>> dense.build((None, 3))
+        >>> sorted(variable_keys(dense).values())
+        ['bias', 'kernel']
+    """
+    keys: dict[int, str] = {}
+    used: set[str] = set()
+    for i, sub in enumerate(_sublayers(layer)):
+        prefix = "" if sub is layer else f"{_snake(type(sub).__name__)}_{i}_"
+        owned = [(v, v.name) for v in sub._trainable_variables + sub._non_trainable_variables]
+        owned += [(g.state, "seed_state") for g in getattr(sub, "_seed_generators", [])]
+        for v, name in owned:
+            key = re.sub(r"\W", "_", prefix + name)
+            if key[0].isdigit():
+                key = "v_" + key
+            base, n = key, 1
+            while key in used:
+                key, n = f"{base}_{n}", n + 1
+            used.add(key)
+            keys[id(v)] = key
+    return keys
+
+
+def check_supported(layer: keras.layers.Layer) -> None:
+    """Raises a ValueError naming any (nested) layer whose state cannot be made exact.
+
+    Example:
+        >>> check_supported(keras.layers.Dropout(0.5))  # Mapped: exact.
+        >>> check_supported(keras.layers.AlphaDropout(0.5, name='a'))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Keras layer 'a' (AlphaDropout) draws random numbers, ...
+    """
+    for sub in _sublayers(layer):
+        name = f"'{sub.name}' ({type(sub).__name__})"
+        if isinstance(sub, keras.layers.BatchNormalization) and sub.renorm:
+            raise ValueError(
+                f"Keras layer {name} uses batch renormalisation, whose moving statistics "
+                "cannot be pooled exactly over micro-batches; set renorm=False.")
+        if getattr(sub, "stateful", False):
+            raise ValueError(
+                f"Keras layer {name} is stateful (it carries state from one batch to the "
+                "next), which micro-batching cannot reproduce; set stateful=False.")
+        own_seeds = [g for g in getattr(sub, "_seed_generators", [])]
+        if own_seeds and not isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
+            raise ValueError(
+                f"Keras layer {name} draws random numbers, and lingvo-lite can only make "
+                "Dropout, SpatialDropout*, GaussianNoise and GaussianDropout draw the same "
+                "values for every micro-batch split and recomputation; remove it from the "
+                "pipelined layers (or run it outside the pipeline).")
+
+
+def check_call_state(layer: keras.layers.Layer, input_shape: Any) -> None:
+    """Raises a ValueError naming any weight a training call of `layer` writes that
+    lingvo-lite cannot make exact (all but batch norm's statistics and seed states).
+
+    Runs the layer once on zeros of one example; call it inside `tf.Graph().as_default()`
+    so nothing executes (pipeline_params does).
+
+    Example:
+        >>> with tf.Graph().as_default():
+        ...     bn = keras.layers.BatchNormalization()
+        ...     bn.build((None, 3))
+        ...     check_call_state(bn, [3])  # Its moving statistics are pooled: accepted.
+    """
+    handled = set()
+    for sub in _sublayers(layer):
+        if isinstance(sub, keras.layers.BatchNormalization):
+            handled.update((id(sub.moving_mean), id(sub.moving_variance)))
+        elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
+            handled.add(id(sub.seed_generator.state))
+    trainable = [tf.zeros(v.shape, v.dtype) for v in layer.trainable_variables]
+    non_trainable = [tf.zeros(v.shape, v.dtype) for v in layer.non_trainable_variables]
+    kwargs = {"training": True} if getattr(layer, "_call_has_training_arg", True) else {}
+    _, new = layer.stateless_call(trainable, non_trainable, tf.zeros([1, *input_shape]),
+                                  **kwargs)
+    for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
+        if value is not old and id(v) not in handled:
+            raise ValueError(_state_error(layer, v.path))
+
+
+def _state_error(layer: keras.layers.Layer, what: str) -> str:
+    return (f"Keras layer '{layer.name}' ({type(layer).__name__}) changes its non-trainable "
+            f"weight '{what}' in its call; lingvo-lite cannot make such state exact under "
+            "micro-batching and recomputation, so it refuses the layer: keep it out of the "
+            "pipeline.")
+
+
+class _Recorder:
+    """What the patched Keras layers see and report during one FProp."""
+
+    def __init__(self, ctx: fprop_context.FPropContext) -> None:
+        self.ctx = ctx
+        self.moments: dict[int, NestedMap] = {}
+
+
+def _recorder() -> _Recorder | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+class _Recording:
+    def __init__(self, recorder: _Recorder) -> None:
+        self._recorder = recorder
+
+    def __enter__(self) -> _Recorder:
+        if not hasattr(_local, "stack"):
+            _local.stack = []
+        _local.stack.append(self._recorder)
+        return self._recorder
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.stack.pop()
+
+
+def _patch_dropout(layer: keras.layers.Dropout) -> None:
+    original = layer.call
+
+    def call(inputs: Any, training: bool = False) -> Any:
+        rec = _recorder()
+        if rec is None:
+            return original(inputs, training=training)
+        if not training or layer.rate <= 0:
+            return inputs
+        if hasattr(layer, "_get_noise_shape"):
+            noise_shape = layer._get_noise_shape(inputs)
+        else:
+            noise_shape = layer.noise_shape
+        dynamic = tf.shape(inputs)
+        if noise_shape is None:
+            concrete = dynamic
+        else:
+            concrete = tf.stack([dynamic[i] if d is None else d for i, d in enumerate(noise_shape)])
+        # A noise shape of 1 along the batch, as the user gave it (not a micro-batch of 1).
+        shared = layer.noise_shape is not None and layer.noise_shape[0] == 1
+        return keras_random.dropout(inputs, layer.rate, concrete,
+                                    layer.seed_generator.state.value, rec.ctx.example_offset,
+                                    shared)
+
+    object.__setattr__(layer, "call", call)
+
+
+def _patch_noise(layer: keras.layers.Layer) -> None:
+    original = layer.call
+    gaussian_dropout = isinstance(layer, keras.layers.GaussianDropout)
+
+    def call(inputs: Any, training: bool = False) -> Any:
+        rec = _recorder()
+        if rec is None:
+            return original(inputs, training=training)
+        inputs = tf.convert_to_tensor(inputs)
+        state = layer.seed_generator.state.value
+        offset = rec.ctx.example_offset
+        dtype = tf.as_dtype(layer.compute_dtype)
+        if gaussian_dropout:
+            if not training or layer.rate <= 0:
+                return inputs
+            stddev = (layer.rate / (1.0 - layer.rate)) ** 0.5
+            return inputs * keras_random.normal(tf.shape(inputs), 1.0, stddev, state, offset, dtype)
+        if not training or layer.stddev <= 0:
+            return inputs
+        return inputs + keras_random.normal(tf.shape(inputs), 0.0, layer.stddev, state, offset,
+                                            dtype)
+
+    object.__setattr__(layer, "call", call)
+
+
+def _draws(layer: keras.layers.Layer) -> bool:
+    """Whether a patched random layer draws (hence advances its seed) in a training call."""
+    if isinstance(layer, _DROPOUT_CLASSES) or isinstance(layer, keras.layers.GaussianDropout):
+        return layer.rate > 0
+    return layer.stddev > 0
+
+
+def _patch_batch_norm(layer: keras.layers.BatchNormalization) -> None:
+    original = layer._moments
+
+    def moments(inputs: Any, mask: Any) -> Any:
+        mean, variance = original(inputs, mask)
+        rec = _recorder()
+        if rec is not None:
+            if mask is None:
+                shape = tf.shape(inputs)
+                count = tf.reduce_prod(tf.gather(shape, list(layer._reduction_axes)))
+            else:
+                count = tf.reduce_sum(tf.cast(mask, tf.float32))
+            rec.moments[id(layer)] = NestedMap(
+                count=tf.cast(count, tf.float32), mean=tf.stop_gradient(mean),
+                variance=tf.stop_gradient(variance))
+        return mean, variance
+
+    object.__setattr__(layer, "_moments", moments)
+
+
+def _rename(variable: Any, name: str) -> tf.Variable:
+    """Gives a Keras variable a tf.Variable named like CreateVariable's (stable, unique).
+
+    Keras names its tf.Variables after layer names it numbers process-wide
+    ('batch_normalization_13/beta'); optimizer slots and summaries are keyed by the
+    tf.Variable's name, so the Keras variable gets a copy with the layer path's name.
+    """
+    old = variable.value
+    with tf.device(old.device):
+        new = tf.Variable(old.read_value(), trainable=old.trainable, name=name,
+                          aggregation=old.aggregation, synchronization=old.synchronization)
+    variable._value = new  # What the TF backend's Variable reads and writes.
+    return new
+
+
+class KerasLayer(base_layer.BaseLayer):
+    """Runs a Keras layer (or nested Keras model) statelessly on theta; see the module doc."""
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+        p = super().Params()
+        p.Define("keras_layer", None,
+                 "The Keras layer's serialized config (keras_layer.serialize(layer)).")
+        p.Define("input_shape", None,
+                 "Shape of one example of the layer's input (no batch dimension), e.g. "
+                 "[8, 8, 1]; the layer's weights are built for it.")
+        p.Define("field", "x",
+                 "When the input is a NestedMap: the entry the layer transforms (the "
+                 "others pass through).")
+        return p
+
+    def __init__(self, params: hyperparams.InstantiableParams) -> None:
+        super().__init__(params)
+        p = self.params
+        if not isinstance(p.keras_layer, dict):
+            raise ValueError(f"{self.path}: p.keras_layer must be a serialized Keras layer "
+                             "(keras_layer.serialize(layer)), got "
+                             f"{type(p.keras_layer).__name__}.")
+        if p.input_shape is None:
+            raise ValueError(f"{self.path}: p.input_shape (one example's shape, without the "
+                             "batch dimension) is needed to build the Keras layer's weights.")
+        # Keras seeds unseeded initializers and seed generators from Python's `random`:
+        # seed it from random_seed and the layer path, so a run's initial weights repeat.
+        state = random.getstate()
+        random.seed(int.from_bytes(repr(weight_params.derive_seed(
+            p.random_seed, self.path)).encode(), "little"))
+        try:
+            layer = deserialize(p.keras_layer)
+            check_supported(layer)
+            if not layer.built:
+                layer.build((None, *p.input_shape))
+        finally:
+            random.setstate(state)
+        # Not tracked as a checkpoint dependency: Keras' object graph is named by
+        # process-wide counters; the weights are saved through theta's stable keys.
+        object.__setattr__(self, "_layer", layer)
+        key_of_variable = variable_keys(layer)
+        self._trainable_keys = []
+        self._non_trainable_keys = []
+        for keys, variables in ((self._trainable_keys, layer.trainable_variables),
+                                (self._non_trainable_keys, layer.non_trainable_variables)):
+            for v in variables:
+                key = key_of_variable[id(v)]
+                self._private_vars[key] = _rename(v, f"{self.path}/{key}".replace("/", "."))
+                keys.append(key)
+        key_of = {id(v): k for k, v in zip(
+            self._trainable_keys + self._non_trainable_keys,
+            layer.trainable_variables + layer.non_trainable_variables)}
+        self._batch_norms = []
+        self._random = []
+        for sub in _sublayers(layer):
+            if isinstance(sub, keras.layers.BatchNormalization):
+                _patch_batch_norm(sub)
+                self._batch_norms.append(
+                    (sub, key_of[id(sub.moving_mean)], key_of[id(sub.moving_variance)]))
+            elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
+                (_patch_dropout if isinstance(sub, _DROPOUT_CLASSES) else _patch_noise)(sub)
+                self._random.append((sub, key_of[id(sub.seed_generator.state)]))
+        self._handled = {k for _, m, v in self._batch_norms for k in (m, v)}
+        self._handled.update(k for _, k in self._random)
+
+    @property
+    def keras_layer(self) -> keras.layers.Layer:
+        """The wrapped Keras layer; its variables are this layer's variables."""
+        return self._layer
+
+    def FProp(self, theta: NestedMap, inputs: Any) -> Any:  # noqa: N802
+        """The Keras layer on `inputs` (or on `inputs.<field>`), weights read from theta."""
+        x = inputs.GetItem(self.params.field) if isinstance(inputs, NestedMap) else inputs
+        ctx = fprop_context.current()
+        trainable = [theta[k] for k in self._trainable_keys]
+        non_trainable = [theta[k] for k in self._non_trainable_keys]
+        kwargs = {"training": ctx.training} if getattr(
+            self._layer, "_call_has_training_arg", True) else {}
+        with _Recording(_Recorder(ctx)) as rec:
+            y, new_non_trainable = self._layer.stateless_call(
+                trainable, non_trainable, x, **kwargs)
+        for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
+            if new is not old and key not in self._handled:
+                raise ValueError(_state_error(self._layer, key))
+        if not tf.is_tensor(y):
+            raise ValueError(
+                f"Keras layer '{self._layer.name}' at {self.path} returns "
+                f"{type(y).__name__}; a pipelined Keras layer must return one tensor.")
+        if ctx.training and ctx.updates is not None and (self._batch_norms or self._random):
+            moments = NestedMap({f"bn_{j}": rec.moments[id(bn)]
+                                 for j, (bn, _, _) in enumerate(self._batch_norms)
+                                 if id(bn) in rec.moments})
+            stats = NestedMap(moments=moments, draws=tf.constant(1.0))
+            ctx.updates.add(self, stats)
+        if isinstance(inputs, NestedMap):
+            out = inputs.copy()
+            out.Set(self.params.field, y)
+            return out
+        return y
+
+    def ApplyUpdates(self, stats_list: list[NestedMap]) -> tf.Operation:  # noqa: N802
+        """Once per mini-batch: pooled batch-norm moments, one seed-generator step.
+
+        Moving statistics follow Keras' formula `moving * momentum + pooled * (1 -
+        momentum)` with the exact mean and population variance of the union of the
+        micro-batches (`pool_moments`); each drawing random layer's seed state advances
+        by [0, 1], as one Keras training step advances it.
+        """
+        ops = []
+        for j, (bn, mean_key, variance_key) in enumerate(self._batch_norms):
+            if f"bn_{j}" not in stats_list[0].moments:
+                continue  # Not trained (trainable=False): Keras leaves its statistics too.
+            mean, variance = pool_moments([s.moments[f"bn_{j}"] for s in stats_list])
+            for key, value in ((mean_key, mean), (variance_key, variance)):
+                var = self.vars[key]
+                moving = tf.cast(var, value.dtype)
+                new = moving * bn.momentum + value * (1.0 - bn.momentum)
+                ops.append(var.assign(tf.cast(new, var.dtype)))
+        for sub, key in self._random:
+            if _draws(sub):
+                var = self.vars[key]
+                ops.append(var.assign(var + tf.constant([0, 1], var.dtype)))
+        return tf.group(*ops)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+        """Output shape by Keras shape inference, exact parameter counts, flops
+        (`keras_flops.layer_flops`: hand formulas, else measured or estimated)."""
+        shape = inputs.GetItem(p.field) if isinstance(inputs, NestedMap) else inputs
+        shape = tf.TensorShape(base_layer.to_shape(shape))
+        if not shape.is_fully_defined():
+            raise ValueError(f"{cls.__name__}.FPropMeta needs a fully defined input shape, "
+                             f"got {shape}.")
+        # Built in a graph: shapes and counts without allocating the weights or starting
+        # the TF runtime (inspect_model describes models far too large to allocate).
+        with tf.Graph().as_default():
+            layer = deserialize(p.keras_layer)
+            batch_shape = tuple(shape.as_list())
+            if not layer.built:
+                layer.build((None, *batch_shape[1:]))
+            spec = layer.compute_output_spec(keras.KerasTensor(batch_shape))
+            out_shape = tf.TensorShape(list(spec.shape))
+            flops, _ = keras_flops.layer_flops(layer, [batch_shape], out_shape.as_list())
+            num_params = sum(int(tf.TensorShape(v.shape).num_elements()) for v in layer.weights)
+            non_trainable = sum(int(tf.TensorShape(v.shape).num_elements())
+                                for v in layer.non_trainable_weights)
+        if isinstance(inputs, NestedMap):
+            out = inputs.copy()
+            out.Set(p.field, out_shape)
+        else:
+            out = out_shape
+        return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
+                                     non_trainable_params=non_trainable)
+
+
+def iter_keras_layers(layers: Any) -> Iterator[keras.layers.Layer]:
+    """The Keras layers of a `keras.Sequential` or a list of layers, inputs skipped.
+
+    Example:
+        >>> seq = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> [type(layer).__name__ for layer in iter_keras_layers(seq)]
+        ['Dense']
+    """
+    if isinstance(layers, keras.Sequential):
+        layers = layers.layers
+    for layer in layers:
+        if not isinstance(layer, keras.layers.InputLayer):
+            yield layer
