@@ -99,6 +99,8 @@ def main() -> None:
                         help="Another checkout's root, measured side by side.")
     parser.add_argument("--configs", default=",".join(f"{a}x{b}x{c}" for a, b, c in CONFIGS),
                         help="L x K x T triples, comma-separated.")
+    parser.add_argument("--record", action="store_true",
+                        help="Write the table into BENCHMARKS.md (bench/separate/).")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
@@ -113,24 +115,45 @@ def main() -> None:
                    for name, root in roots.items()}
         rows.append(((layers, cells, micro), results))
         print(json.dumps({"L": layers, "K": cells, "T": micro, **results}), flush=True)
-    print()
-    header = "| L | K | T | first step | step | graph ops |"
-    if args.baseline:
+    table = _table(rows, bool(args.baseline))
+    print("\n" + "\n".join(table))
+    if args.record:
+        sys.path.insert(0, HERE)
+        import report
+
+        body = [
+            "A stack of L dense layers (width 64) and a softmax loss, N=64, K cells on K serial "
+            "logical CPU devices, remat 'always'. First step: the first call of the traced "
+            "training step (trace + graph optimisation + one run), each configuration in a fresh "
+            "process; step: median of later steps; graph ops: the step's graph plus every "
+            "function body. Baseline: the code before issue 14 (commit b2f3317), every layer "
+            "traced per micro-batch.", "", *table]
+        command = "python bench/first_step.py" + (
+            " --baseline=<a checkout of b2f3317>" if args.baseline else "") + " --record"
+        print(report.record_separate("9_first_step", "9. Start-up vs micro-batches: cells "
+                                     "traced once (issue 14)", body, command))
+
+
+def _table(rows: list, baseline: bool) -> list[str]:
+    if baseline:
         header = ("| L | K | T | first step (baseline) | first step | step (baseline) | step "
                   "| step ratio | graph ops (baseline) | graph ops |")
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
+    else:
+        header = "| L | K | T | first step | step | graph ops |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (layers, cells, micro), r in rows:
         this = r["this"]
-        if args.baseline:
+        if baseline:
             base = r["baseline"]
-            print(f"| {layers} | {cells} | {micro} | {base['first_s']:.1f} s | "
-                  f"{this['first_s']:.1f} s | {base['step_s'] * 1e3:.1f} ms | "
-                  f"{this['step_s'] * 1e3:.1f} ms | {this['step_s'] / base['step_s']:.2f} | "
-                  f"{base['ops']:,} | {this['ops']:,} |")
+            lines.append(
+                f"| {layers} | {cells} | {micro} | {base['first_s']:.1f} s | "
+                f"{this['first_s']:.1f} s | {base['step_s'] * 1e3:.1f} ms | "
+                f"{this['step_s'] * 1e3:.1f} ms | {this['step_s'] / base['step_s']:.2f} | "
+                f"{base['ops']:,} | {this['ops']:,} |")
         else:
-            print(f"| {layers} | {cells} | {micro} | {this['first_s']:.1f} s | "
-                  f"{this['step_s'] * 1e3:.1f} ms | {this['ops']:,} |")
+            lines.append(f"| {layers} | {cells} | {micro} | {this['first_s']:.1f} s | "
+                         f"{this['step_s'] * 1e3:.1f} ms | {this['ops']:,} |")
+    return lines
 
 
 if __name__ == "__main__":

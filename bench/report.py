@@ -8,6 +8,8 @@ a re-run rewrites the file without losing them.
 from __future__ import annotations
 
 import datetime
+import glob
+import os
 import re
 import statistics
 
@@ -567,7 +569,20 @@ def render(results: dict) -> str:
     summary.append("")
     first_figure = next(i for i, line in enumerate(lines) if line.startswith("## 1."))
     head, body = lines[:first_figure], lines[first_figure:]
-    return "\n".join(head + summary + body).rstrip() + "\n"
+    return "\n".join(head + summary + body + separate_figures()).rstrip() + "\n"
+
+
+SEPARATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "separate")
+
+
+def separate_figures() -> list[str]:
+    """Figures recorded by their own scripts (bench/separate/*.md, each with its date and
+    command), kept when this file is re-rendered."""
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(SEPARATE_DIR, "*.md"))):
+        with open(path) as f:
+            lines += ["", f.read().rstrip()]
+    return lines
 
 
 def _params_per_block(entry: dict) -> int:
@@ -595,3 +610,27 @@ def _bubble_verdict(results: dict) -> tuple[bool, str] | None:
         worst = max(worst, mean_idle - theory)
         parts.append(f"T={t}: {mean_idle:.2f} vs {theory:.2f}")
     return worst <= 0.05, "; ".join(parts)
+
+
+def record_separate(name: str, title: str, body: list[str], command: str) -> str:
+    """Writes bench/separate/<name>.md (title, date and load, body, how to reproduce) and
+    re-renders BENCHMARKS.md from bench/results.json with it. Returns the section's path."""
+    import json
+    import platform
+
+    os.makedirs(SEPARATE_DIR, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = tuple(round(x, 2) for x in os.getloadavg())
+    text = [f"## {title}", "",
+            f"Recorded {now:%Y-%m-%d %H:%M} UTC by its own script on {os.cpu_count()} cores "
+            f"(Python {platform.python_version()}); load average at the end {load}.", "",
+            *body, "", f"Reproduce: `{command}`"]
+    path = os.path.join(SEPARATE_DIR, f"{name}.md")
+    with open(path, "w") as f:
+        f.write("\n".join(text) + "\n")
+    root = os.path.dirname(os.path.dirname(path))
+    with open(os.path.join(root, "bench", "results.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(root, "BENCHMARKS.md"), "w") as f:
+        f.write(render(results))
+    return path

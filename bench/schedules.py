@@ -176,6 +176,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--record", action="store_true",
+                        help="Write the tables into BENCHMARKS.md (bench/separate/).")
     args = parser.parse_args()
     args.micro_batches = [int(t) for t in str(args.micro_batches).split(",")]
     if args.worker:
@@ -196,6 +198,18 @@ def main() -> None:
     print(json.dumps(result), flush=True)
     lines += _weight_heavy_table(result, wh_args.micro_batches)
     print("\n".join(lines))
+    if args.record:
+        import report
+
+        intro = [
+            "Serial logical devices (the accelerator emulation), remat 'except_last', momentum "
+            "SGD; naive MP = gpipe at T=1 on the same devices. interleaved: 2 cells per device "
+            "(virtual_stages=2). zero_bubble: ZB-H1, whose W re-runs the cell's forward here. "
+            "Theoretical bubble: the schedule's unit-time timeline (every action one tick). "
+            "Measured idle: profiled on the shared pool (see the script's docstring).", ""]
+        print(report.record_separate("10_schedules", "10. Schedules side by side, and batched "
+                                     "weight gradients (issue 14)", intro + lines,
+                                     "python bench/schedules.py --record"))
 
 
 if __name__ == "__main__":
