@@ -628,7 +628,7 @@ def record_separate(name: str, title: str, body: list[str], command: str) -> str
     path = os.path.join(SEPARATE_DIR, f"{name}.md")
     with open(path, "w") as f:
         f.write("\n".join(text) + "\n")
-    root = os.path.dirname(os.path.dirname(path))
+    root = os.path.dirname(os.path.dirname(SEPARATE_DIR))
     with open(os.path.join(root, "bench", "results.json")) as f:
         results = json.load(f)
     with open(os.path.join(root, "BENCHMARKS.md"), "w") as f:

@@ -125,6 +125,19 @@ class _Context:
         return cls(bool(ctx.training), ctx.batch_dim, collect_updates)
 
 
+def _signature(value: Any) -> Any:
+    """A hashable key of a call's arguments: tensors by dtype and shape, variables by identity,
+    Python values as they are (what makes tf.function trace anew)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, tf.Variable):
+        return ("variable", id(value))
+    if tf.is_tensor(value):
+        return ("tensor", value.dtype, tuple(value.shape.as_list()) if value.shape.rank
+                is not None else None)
+    return value
+
+
 class _TracedOnce:
     """`body(*args)` as a non-inlined tf.function; remembers each trace's output structure.
 
@@ -137,6 +150,7 @@ class _TracedOnce:
                  traced: bool) -> None:
         self._body = body
         self._structures: dict[int, tuple[Any, Any]] = {}
+        self._by_signature: dict[Any, tuple[Any, Any]] = {}
         self._last_structure: Any = None
         self._function = None
         if traced:
@@ -145,6 +159,7 @@ class _TracedOnce:
                 return flat
 
             record.__name__ = name  # Names the function in the graph's library.
+            tf_private.allow_function_attributes()
             self._function = tf.function(record, autograph=False,
                                          experimental_attributes=tf_private.NO_INLINE)
 
@@ -156,11 +171,17 @@ class _TracedOnce:
     def __call__(self, *args: Any) -> tuple[list[Any], Any]:
         if self._function is None:
             return self._body(*args)
-        concrete = self._function.get_concrete_function(*args)
-        key = id(concrete)
-        if key not in self._structures:
-            self._structures[key] = (concrete, self._last_structure)
-        return list(concrete(*args)), self._structures[key][1]
+        # tf.function's own dispatch costs ~10 ms per call with a cell's worth of weights as
+        # arguments; T calls with the same signature look their trace up here instead.
+        signature = _signature(args)
+        found = self._by_signature.get(signature)
+        if found is None:
+            concrete = self._function.get_concrete_function(*args)
+            if id(concrete) not in self._structures:
+                self._structures[id(concrete)] = (concrete, self._last_structure)
+            found = self._by_signature[signature] = self._structures[id(concrete)]
+        concrete, structure = found
+        return list(concrete(*args)), structure
 
 
 class CellFunctions:

@@ -4,8 +4,12 @@ Each of these has no public equivalent in TensorFlow 2.21:
 - `serial_function_calls`: function calls built inside it run on TensorFlow's single-threaded
   executor (the per-call `function_call_options` of the eager context), which is how logical CPU
   devices emulate accelerators that run one op at a time;
-- `NO_INLINE`: the function attribute that keeps grappler and the function-lowering pass from
-  inlining a call into its caller, so each pipeline action stays one call (one executor run);
+- `NO_INLINE`: the function attributes that keep grappler and the function-lowering pass from
+  inlining a call into its caller, so each pipeline action stays one call (one executor run),
+  and grappler from specialising a copy of the function for every call site (a constant input
+  or an unused output is enough to trigger it; with 2KT call sites that doubled the first
+  step's run time). tf.function accepts only listed attributes: `allow_function_attributes`
+  adds `_nospecialize` to its lists;
 - `xplane_pb2`: the profiler's trace protobuf, read by `timeline`.
 
 If a TensorFlow upgrade breaks the pipeline, look here first.
@@ -19,7 +23,18 @@ from collections.abc import Iterator
 from types import ModuleType
 
 SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
-NO_INLINE = {"_noinline": True}
+NO_INLINE = {"_noinline": True, "_nospecialize": True}
+
+
+def allow_function_attributes() -> None:
+    """Lets tf.function take the attributes of NO_INLINE (idempotent)."""
+    from tensorflow.python.eager.polymorphic_function import attributes
+
+    for name in ("POLYMORPHIC_FUNCTION_ALLOWLIST", "TRACING_COMPILATION_ALLOWLIST",
+                 "MONOMORPHIC_FUNCTION_ALLOWLIST"):
+        allowed = getattr(attributes, name)
+        if not set(NO_INLINE) <= allowed:
+            setattr(attributes, name, allowed | frozenset(NO_INLINE))
 
 
 @contextlib.contextmanager
