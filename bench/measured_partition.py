@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,23 +82,14 @@ def _batch(network):
 
 def _busy_imbalance(step, batch, num_cells: int, num_steps: int) -> float:
     """Mean over `num_steps` profiled steps of max / mean device busy time."""
-    import tensorflow as tf
+    import bench_lib
 
     from lingvo_lite.pipeline import timeline
 
     float(step(batch))  # Traced and run once before the profiled steps.
-    logdir = tempfile.mkdtemp(prefix="measured_partition_")
-    tf.profiler.experimental.start(logdir)
-    for i in range(num_steps):
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
-            float(step(batch))
-    tf.profiler.experimental.stop()
-    spaces = timeline.load_xspaces(logdir)
-    events = timeline.op_events(spaces)
     ratios = []
-    for _, start, end in timeline.step_windows(spaces):
-        busy = timeline.compute_breakdown(timeline.events_in(events, start, end),
-                                          num_cells).device_busy
+    for events in bench_lib.profiled_steps(step, batch, num_steps)[0]:
+        busy = timeline.compute_breakdown(events, num_cells).device_busy
         ratios.append(max(busy) * num_cells / sum(busy))
     return float(statistics.mean(ratios))
 

@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -54,22 +53,9 @@ def _idle_per_device(events, schedule_name: str, remat: str, virtual_stages: int
 
 def _profile(fn, batch, schedule_name: str, remat: str, virtual_stages: int,
              num_devices: int, steps: int = 3) -> float:
-    import tensorflow as tf
-
-    from lingvo_lite.pipeline import timeline
-
-    logdir = tempfile.mkdtemp(prefix="bench_schedules_")
-    tf.profiler.experimental.start(logdir)
-    for i in range(steps):
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
-            float(fn(batch))
-    tf.profiler.experimental.stop()
-    spaces = timeline.load_xspaces(logdir)
-    events = timeline.op_events(spaces)
     return statistics.median(
-        _idle_per_device(timeline.events_in(events, start, end), schedule_name, remat,
-                         virtual_stages, num_devices)
-        for _, start, end in timeline.step_windows(spaces))
+        _idle_per_device(events, schedule_name, remat, virtual_stages, num_devices)
+        for events in bench_lib.profiled_steps(fn, batch, steps)[0])
 
 
 def fig_speedup(args: argparse.Namespace) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,22 +93,10 @@ def fig_speedup_serial() -> dict:
 
 def _profile_step(fn, batch) -> dict:
     """Captures 3 steps with the TF profiler; the breakdown of each, and the middle one's boxes."""
-    import tensorflow as tf
-
     from lingvo_lite.pipeline import timeline
 
-    logdir = tempfile.mkdtemp(prefix="bench_profile_")
-    tf.profiler.experimental.start(logdir)
-    for i in range(3):
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
-            float(fn(batch))
-    tf.profiler.experimental.stop()
-    spaces = timeline.load_xspaces(logdir)
-    events = timeline.op_events(spaces)
-    steps = []
-    for _, start, end in timeline.step_windows(spaces):
-        evs = timeline.events_in(events, start, end)
-        steps.append(timeline.compute_breakdown(evs, 2).as_scalars(prefix=""))
+    step_events, logdir = bench_lib.profiled_steps(fn, batch, 3)
+    steps = [timeline.compute_breakdown(evs, 2).as_scalars(prefix="") for evs in step_events]
     return {"steps": steps, "logdir": logdir}
 
 

@@ -251,21 +251,11 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertNotEmpty(found, msg=scope)
                 calls.append(found)
             for before, after in zip(calls, calls[1:]):
-                ancestors = set().union(*(_ancestors(op) for op in after))
+                ancestors = set().union(*(graph_structure.ancestors(op) for op in after))
                 self.assertTrue(all(op in ancestors for op in before),
                                 msg=f"{after[0].name} does not wait for {before[0].name}")
 
 
-def _ancestors(op: tf.Operation) -> set:
-    """Every op that `op` waits for, through data and control edges."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [x.op for x in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
 
 
 if __name__ == "__main__":

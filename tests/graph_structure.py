@@ -30,3 +30,15 @@ def total_op_count(graph: tf.Graph) -> int:
 
 def body_node_names(graph: tf.Graph, function_name: str) -> list[str]:
     return [n.name for n in function_library(graph)[function_name].node_def]
+
+
+def ancestors(op: tf.Operation) -> set:
+    """Every op that `op` waits for, through data and control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [x.op for x in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen

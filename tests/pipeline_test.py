@@ -493,17 +493,7 @@ class BackwardOrderTest(tf.test.TestCase):
                          if "cell_0_bprop" in graph_structure.called_function(op)]
             self.assertLen(next_cell, 1)
             self.assertLen(this_cell, 1)
-            self.assertIn(next_cell[0], _ancestors(this_cell[0]),
+            self.assertIn(next_cell[0], graph_structure.ancestors(this_cell[0]),
                           msg=f"cell 0 may re-compute micro-batch {t} before cell 1's backward")
 
 
-def _ancestors(op: tf.Operation) -> set:
-    """Every op that `op` waits for, through data and control edges."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [x.op for x in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
