@@ -11,6 +11,12 @@ the received copies are counted where they land, as on accelerators.
         peaks = device_memory.measure_step(cluster, layers, shapes, make_batch, 4, 8,
                                            "gpipe", "except_last")
 
+or, for a registered model's first PipeliningLayer, one config per K:R:T:schedule:remat
+(prints {"peak_bytes": [[device peaks of config 1], ...]}):
+
+    python bench/device_memory.py measure --model=image.AmoebaNetDigits \
+        --configs=2:1:4:1f1b:always,1:2:1:gpipe:never
+
 `peaks[k]` is device k's peak during one training step (momentum SGD, slots on each weight's
 device) above what the worker held before the pipeline's variables were created: weights,
 gradients, the momentum slot and every transient. Workers are started here and stopped here by
@@ -97,26 +103,116 @@ class Cluster:
 
 
 def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
-                 num_micro_batches: int, schedule: str, remat: str) -> list[int]:
-    """Peak bytes of each of the K devices in one training step (see the module docstring)."""
+                 num_micro_batches: int, schedule: str, remat: str, num_replicas: int = 1,
+                 num_slots: int = 1) -> list[int]:
+    """Peak bytes of each of the R x K devices in one training step (module docstring)."""
+    import bench_lib
+
+    def build(placement):
+        return bench_lib.make_pipeline(layers, shapes, num_cells, num_micro_batches, remat,
+                                       schedule=schedule, placement=placement,
+                                       num_replicas=num_replicas)
+
+    return _measure(cluster, build, make_batch(), num_cells * num_replicas, num_slots)
+
+
+def _measure(cluster: Cluster, build, batch, num_devices: int, num_slots: int) -> list[int]:
+    """Builds the pipeline on the cluster's first devices, runs two steps, measures the second.
+
+    The step is `FPropAndReplicaGrads`, then a momentum-SGD update from slot 0 of the
+    `num_slots` weight-sized slots created beside each trainable weight (the others stand for
+    the rest of an optimizer's state, e.g. Adam's).
+    """
     import gc
 
-    import bench_lib
+    import tensorflow as tf
+
+    from lingvo_lite import fprop_context
 
     gc.collect()
     time.sleep(0.2)  # Remote handles of an earlier step are released asynchronously.
     before = [m["current"] for m in cluster.memory_info()]
-    pipe = bench_lib.make_pipeline(layers, shapes, num_cells, num_micro_batches, remat,
-                                   schedule=schedule, placement=cluster.devices(num_cells))
-    fn, variables, slots = bench_lib.pipeline_train_step(pipe)
-    batch = make_batch()
+    pipe = build(cluster.devices(num_devices))
+    thetas = pipe.replica_thetas(pipe.theta)
+    variables = [[v for v in th.Flatten() if isinstance(v, tf.Variable) and v.trainable]
+                 for th in thetas]
+    slots = []
+    for vs in variables:
+        row = []
+        for v in vs:
+            with tf.device(v.device):
+                row.append([tf.Variable(tf.zeros_like(v), trainable=False)
+                            for _ in range(num_slots)])
+        slots.append(row)
+
+    def step(batch):
+        with fprop_context.fprop_context(training=True):
+            out, grads = pipe.FPropAndReplicaGrads(thetas, batch)
+        for theta, g, vs, ss in zip(thetas, grads, variables, slots):
+            by_ref = {v.ref(): x for v, x in zip(theta.Flatten(), g.Flatten())
+                      if isinstance(v, tf.Variable)}
+            for v, s in zip(vs, ss):
+                with tf.device(v.device):
+                    update = by_ref[v.ref()]
+                    if s:
+                        update = s[0].assign(0.9 * s[0] + update)
+                    v.assign_sub(1e-3 * update)
+        return out.loss
+
+    fn = tf.function(step, autograph=False)
     float(fn(batch))  # Trace and warm up outside the measured step.
     cluster.reset_peaks()
     float(fn(batch))
     peaks = [m["peak"] - b for m, b in zip(cluster.memory_info(), before)]
-    del fn, variables, slots, pipe
-    gc.collect()
-    return peaks[:num_cells]
+    return peaks[:num_devices]  # The pipeline is freed with this frame (next call: gc).
+
+
+def random_batch(shapes, seed: int = 0):
+    """A batch shaped like `shapes` (NestedMap of shapes): normal floats, zero integers."""
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite import base_layer
+    from lingvo_lite.nested_map import NestedMap
+
+    rng = np.random.default_rng(seed)
+    shapes = base_layer.to_shape(shapes)
+
+    def one(shape, dtype):
+        if dtype.is_floating:
+            return tf.constant(rng.normal(size=shape.as_list()), dtype)
+        return tf.zeros(shape.as_list(), dtype)
+
+    if isinstance(shapes, dict):
+        return NestedMap({k: one(v, tf.int32 if k in _INT_FIELDS else tf.float32)
+                          for k, v in shapes.items()})
+    return one(shapes, tf.float32)
+
+
+# Input fields that hold ids or labels (int32) in the registered models.
+_INT_FIELDS = ("labels", "label", "ids", "src_ids", "tgt_ids", "tgt_labels")
+
+
+def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: int,
+                  num_micro_batches: int, schedule: str, remat: str,
+                  model_params_override: str = "") -> list[int]:
+    """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
+    with as many slots per weight as the task's optimizer keeps."""
+    from lingvo_lite.pipeline import memory_model
+    from lingvo_lite.training import model_config, options
+
+    config = model_config.build_model_config(options.RunOptions(
+        model=model, mode="inspect_model", model_params_override=model_params_override,
+        num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=num_micro_batches))
+    _, pp = next(iter(model_config.iter_pipelining_params(config.task_params)))
+    pp = pp.Copy().Set(schedule=schedule, remat=remat, name=pp.name or "network")
+    num_slots = memory_model.optimizer_slots(config.task_params.train.optimizer)
+
+    def build(placement):
+        return pp.Copy().Set(placement=placement).Instantiate()
+
+    return _measure(cluster, build, random_batch(pp.input_shapes), num_cells * num_replicas,
+                    num_slots)
 
 
 def _serve(addresses: list[str], index: int, inter: int) -> None:
@@ -138,6 +234,36 @@ def _serve(addresses: list[str], index: int, inter: int) -> None:
     del server
 
 
+def _measure_main(argv: list[str]) -> None:
+    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat,...`.
+
+    Prints one JSON line: {"peak_bytes": [[device peaks of config 1], ...]}.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="device_memory.py measure")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--configs", required=True,
+                        help="Comma-separated K:R:T:schedule:remat, e.g. 2:1:4:1f1b:always.")
+    parser.add_argument("--model_params_override", default="")
+    args = parser.parse_args(argv)
+    root = os.path.join(HERE, "..")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    configs = []
+    for text in args.configs.split(","):
+        k, r, t, schedule, remat = text.split(":")
+        configs.append((int(k), int(r), int(t), schedule, remat))
+    with Cluster(max(k * r for k, r, *_ in configs)) as cluster:
+        peaks = [measure_model(cluster, args.model, k, r, t, schedule, remat,
+                               args.model_params_override)
+                 for k, r, t, schedule, remat in configs]
+    print(json.dumps({"peak_bytes": peaks}))
+
+
 if __name__ == "__main__":
-    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    _serve(sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1:2] == ["measure"]:
+        _measure_main(sys.argv[2:])
+    else:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        _serve(sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]))

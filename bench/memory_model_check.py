@@ -14,6 +14,7 @@ Prints a markdown table, then the worst error and how many devices are within 20
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--remat", default="except_last")
     parser.add_argument("--quick", action="store_true", help="Smaller benchmark shapes.")
+    parser.add_argument("--json_out", default="",
+                        help="Also write the measured peaks (bytes) to this JSON file.")
     args = parser.parse_args()
     import bench_lib
     import device_memory
@@ -59,7 +62,7 @@ def main() -> None:
     ts = [int(t) for t in args.micro_batches.split(",")]
     print("| model | K | T | schedule | remat | device | measured MiB | predicted MiB | error |")
     print("|---|---|---|---|---|---|---|---|---|")
-    errors = []
+    errors, raw = [], []
     with device_memory.Cluster(max(ks)) as cluster:
         for name in args.models.split(","):
             layers, shapes, make_batch = bench_lib.model(name, args.quick)
@@ -71,6 +74,12 @@ def main() -> None:
                         measured = device_memory.measure_step(
                             cluster, layers, shapes, make_batch, k, t, sched, args.remat)
                         model = predicted(layers, shapes, k, t, sched, args.remat)
+                        raw.append({"model": name, "K": k, "T": t, "schedule": sched,
+                                    "remat": args.remat, "measured": measured,
+                                    "predicted": model})
+                        if args.json_out:
+                            with open(args.json_out, "w") as f:
+                                json.dump(raw, f)
                         for d, (m, p) in enumerate(zip(measured, model)):
                             err = (p - m) / m
                             errors.append(abs(err))

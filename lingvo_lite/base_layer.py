@@ -63,7 +63,7 @@ EXTRA_PARAM_COUNTS = ("non_trainable_params", "training_only_params")
 # Bytes a layer keeps for its backward, per byte of its output, when its FPropMeta gives no
 # `saved_activation_bytes`: the output and one intermediate of the same size (a dense layer's
 # pre-activation and activation; measured 1.0-2.2x on dense layers, see memory_model).
-DEFAULT_SAVED_ACTIVATION_FACTOR = 2.0
+DEFAULT_SAVED_ACTIVATION_FACTOR = 1.0
 
 
 def saved_activation_bytes(meta: NestedMap) -> int:

@@ -5,8 +5,10 @@ partition, the schedule's per-device orders and the re-materialisation policy, d
 is the sum of
 
 * weights: every parameter of the cell's layers (trainable or not);
-* gradients: the accumulated gradient of each trainable weight, plus, with T > 1, one
-  micro-batch's weight gradient being added to it;
+* gradients: the accumulated gradient of each trainable weight, plus the temporaries of the
+  update (one weight-sized temporary of the largest layer) or, with T > 1, the micro-batch
+  weight gradients in flight while they are summed (measured: up to two per weight, at most the
+  cell's weights plus two of its largest layer's);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
 * inputs: cell 0 holds the whole received mini-batch for the step (and its micro-batch slices);
@@ -31,7 +33,7 @@ device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
 >>> gpipe = schedule.make_schedule("gpipe", 2, 4)
 >>> mem = memory_model.device_memory(part, layers, 800, gpipe, "never", num_slots=1)
 >>> mem[1].weights, mem[1].gradients, mem[1].optimizer_slots
-(800, 1600, 800)
+(800, 2400, 800)
 >>> mem[1].peak_in_flight  # GPipe: all T micro-batches in flight.
 4
 """
@@ -143,7 +145,11 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         cell = list(layers[a:b])
         weights = sum(m.param_bytes for m in cell)
         trainable = sum(m.trainable_bytes for m in cell)
-        gradients = trainable * (2 if num_micro > 1 else 1)
+        largest_weights = max((m.trainable_bytes for m in cell), default=0)
+        if num_micro > 1:
+            gradients = trainable + min(2 * trainable, trainable + 2 * largest_weights)
+        else:
+            gradients = trainable + largest_weights
         boundary_in = (input_bytes if k == 0 else layers[a - 1].out_bytes) / num_micro
         boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
         saved = sum(m.saved_bytes for m in cell) / num_micro
