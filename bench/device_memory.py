@@ -48,7 +48,7 @@ def _free_port() -> int:
 class Cluster:
     """`num_workers` single-device worker processes, and this process connected to them."""
 
-    def __init__(self, num_workers: int, inter_op_threads: int = 2) -> None:
+    def __init__(self, num_workers: int, inter_op_threads: int = 1) -> None:
         self.num_workers = num_workers
         self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
         self._inter = inter_op_threads
@@ -231,7 +231,9 @@ def _serve(addresses: list[str], index: int, inter: int) -> None:
             print("ok", flush=True)
         elif command == "info":
             print(json.dumps(tf.config.experimental.get_memory_info("CPU:0")), flush=True)
+    # stdin closed: the client is gone. gRPC's threads would keep the process alive.
     del server
+    os._exit(0)
 
 
 def _measure_main(argv: list[str]) -> None:

@@ -8,6 +8,7 @@ a re-run rewrites the file without losing them.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import statistics
 
@@ -567,7 +568,17 @@ def render(results: dict) -> str:
     summary.append("")
     first_figure = next(i for i, line in enumerate(lines) if line.startswith("## 1."))
     head, body = lines[:first_figure], lines[first_figure:]
-    return "\n".join(head + summary + body).rstrip() + "\n"
+    return "\n".join(head + summary + body).rstrip() + "\n" + _planner_sections()
+
+
+def _planner_sections() -> str:
+    """The planner's figures (memory model vs per-device peaks, Table 1), recorded by hand
+    from bench/memory_model_check.py and bench/table1.py in bench/planner_figures.md."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "planner_figures.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return "\n" + f.read().rstrip() + "\n"
 
 
 def _params_per_block(entry: dict) -> int:

@@ -161,6 +161,8 @@ def largest_layers(k: int, micro: int, schedule: str, remat: str, budget: int) -
         return bytes_ is not None and bytes_ <= budget
 
     lo, hi = 0, 1
+    while len(transformer_params(hi)[0].layers) < k:  # Too few layers for K cells.
+        hi *= 2
     while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:

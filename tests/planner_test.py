@@ -62,7 +62,7 @@ def _rejected(out: str) -> tuple[int, int, int, str, str]:
 
 
 def test_chosen_plan_fits_when_run_and_rejected_plan_does_not():
-    budget = "2MiB"
+    budget = "2.5MiB"
     status, out, _ = _run(plan_devices=2, plan_memory_per_device=budget)
     assert status == 0, out
     match = _CHOSEN.search(out)

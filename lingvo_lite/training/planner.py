@@ -24,9 +24,9 @@ Plans are ranked by predicted examples/s (mini-batch / step time).
 ...     name="pipe", input_shapes=tf.TensorShape([64, 256]), layers=[
 ...         dense.ProjectionLayer.Params().Set(name=f"l{i}", input_dim=256, output_dim=256)
 ...         for i in range(8)])
->>> result = planner.search(p, num_devices=4, budget=planner.parse_size("2MiB"))
+>>> result = planner.search(p, num_devices=4, budget=planner.parse_size("4MiB"))
 >>> best = result.fitting[0]
->>> best.num_cells * best.num_replicas <= 4, best.peak_bytes <= 2 * 2**20
+>>> best.num_cells * best.num_replicas <= 4, best.peak_bytes <= 4 * 2**20
 (True, True)
 """
 
