@@ -7,6 +7,8 @@ next to the model's prediction and the relative error. Memory only, no timing.
 
     python bench/memory_model_check.py                        # the full table (markdown)
     python bench/memory_model_check.py --models=transformer --num_cells=2 --micro_batches=4
+    python bench/memory_model_check.py --json_out=peaks.json    # keep the measurements
+    python bench/memory_model_check.py --from_json=peaks.json   # re-predict, measure nothing
 
 Prints a markdown table, then the worst error and how many devices are within 20%.
 """
@@ -54,14 +56,32 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Smaller benchmark shapes.")
     parser.add_argument("--json_out", default="",
                         help="Also write the measured peaks (bytes) to this JSON file.")
+    parser.add_argument("--from_json", default="",
+                        help="Measure nothing: print the table for the peaks saved by "
+                             "--json_out, with the memory model as it is now.")
     args = parser.parse_args()
     import bench_lib
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+        models = {}
+        errors = []
+        print(HEADER)
+        for row in rows:
+            if row["model"] not in models:
+                models[row["model"]] = bench_lib.model(row["model"], args.quick)
+            layers, shapes, _ = models[row["model"]]
+            model = predicted(layers, shapes, row["K"], row["T"], row["schedule"], row["remat"])
+            errors += _print_rows(row["model"], row["K"], row["T"], row["schedule"],
+                                  row["remat"], row["measured"], model)
+        _summary(errors)
+        return
     import device_memory
 
     ks = [int(k) for k in args.num_cells.split(",")]
     ts = [int(t) for t in args.micro_batches.split(",")]
-    print("| model | K | T | schedule | remat | device | measured MiB | predicted MiB | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     errors, raw = [], []
     with device_memory.Cluster(max(ks)) as cluster:
         for name in args.models.split(","):
@@ -80,12 +100,26 @@ def main() -> None:
                         if args.json_out:
                             with open(args.json_out, "w") as f:
                                 json.dump(raw, f)
-                        for d, (m, p) in enumerate(zip(measured, model)):
-                            err = (p - m) / m
-                            errors.append(abs(err))
-                            print(f"| {name} | {k} | {t} | {sched} | {args.remat} | {d} | "
-                                  f"{m / 2**20:.2f} | {p / 2**20:.2f} | {err:+.1%} |",
-                                  flush=True)
+                        errors += _print_rows(name, k, t, sched, args.remat, measured, model)
+    _summary(errors)
+
+
+HEADER = ("| model | K | T | schedule | remat | device | measured MiB | predicted MiB | error |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def _print_rows(name: str, k: int, t: int, sched: str, remat: str, measured: list[int],
+                model: list[int]) -> list[float]:
+    errors = []
+    for d, (m, p) in enumerate(zip(measured, model)):
+        err = (p - m) / m
+        errors.append(abs(err))
+        print(f"| {name} | {k} | {t} | {sched} | {remat} | {d} | {m / 2**20:.2f} | "
+              f"{p / 2**20:.2f} | {err:+.1%} |", flush=True)
+    return errors
+
+
+def _summary(errors: list[float]) -> None:
     within = sum(e <= TOLERANCE for e in errors)
     print(f"\nWorst error {max(errors):.1%}; {within} of {len(errors)} devices within "
           f"{TOLERANCE:.0%}.")

@@ -5,10 +5,9 @@ partition, the schedule's per-device orders and the re-materialisation policy, d
 is the sum of
 
 * weights: every parameter of the cell's layers (trainable or not);
-* gradients: the accumulated gradient of each trainable weight, plus the temporaries of the
-  update (one weight-sized temporary of the largest layer) or, with T > 1, the micro-batch
-  weight gradients in flight while they are summed (measured: up to two per weight, at most the
-  cell's weights plus two of its largest layer's);
+* gradients: the gradient of each trainable weight, the temporaries of computing and applying
+  them (two of the largest layer's weights, at most the cell's), and with T > 1 the running
+  sum of the micro-batches' weight gradients (fitted on weight-heavy dense layers);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
 * inputs: cell 0 holds the whole received mini-batch for the step (and its micro-batch slices);
@@ -153,10 +152,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         weights = sum(m.param_bytes for m in cell)
         trainable = sum(m.trainable_bytes for m in cell)
         largest_weights = max((m.trainable_bytes for m in cell), default=0)
-        if num_micro > 1:
-            gradients = trainable + min(2 * trainable, trainable + 2 * largest_weights)
-        else:
-            gradients = trainable + largest_weights
+        gradients = (trainable + min(trainable, 2 * largest_weights)
+                     + (trainable if num_micro > 1 else 0))
         boundary_in = (input_bytes if k == 0 else layers[a - 1].out_bytes) / num_micro
         boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
         saved = sum(m.saved_bytes for m in cell) / num_micro
