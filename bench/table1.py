@@ -20,7 +20,8 @@ parameters (auxiliary head excluded, as the paper counts).
 
 Transformer: the registered T(L, 8192, 16) family (model dim 1024, 16 heads, Adam), sequence
 length 1024, 32 sentence pairs per mini-batch, T=32, 16 GiB per device; the largest L (encoder =
-decoder layers) for K = 1 (naive and pipelined), 2, 4, ..., 128.
+decoder layers) for K = 1 (naive and pipelined), 2, 4, ..., 128, partitioned into equal layer
+counts (partition_method='uniform').
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def transformer_params(num_layers: int, batch: int = 32, length: int = 1024):
                 "VOCAB_SIZE": 32000})
     task = cls().Task()
     (_, p), = model_config.iter_pipelining_params(task)
+    # Identical layers: equal layer counts per cell balance them, and the exact partitioner's
+    # O(L^2) search would dominate at thousands of layers.
+    p.partition_method = "uniform"
     return p, memory_model.optimizer_slots(task.train.optimizer)
 
 

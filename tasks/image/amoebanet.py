@@ -438,6 +438,11 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
 # Cells
 # ---------------------------------------------------------------------------------------------
 
+# Of the bytes of all its ops' outputs, the share a cell keeps for its backward (the rest, e.g.
+# a batch norm's output that only feeds a ReLU, is freed once consumed); fitted on measured
+# per-device peaks without re-materialisation (bench/memory_model_check.py).
+CELL_SAVED_FRACTION = 0.65
+
 
 def scheduled_keep_prob(keep_prob: float, cell_index: int, total_num_cells: int) -> float:
     """Linear drop-path schedule over depth: 1 - (cell_index + 1) / total * (1 - keep_prob)."""
@@ -698,6 +703,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
         out.prev_x = x
         saved = (sum(base_layer.saved_activation_bytes(m) for m in child_metas) + adds
                  + base_layer.activation_bytes(out.x, _dtype(p)))  # + the concatenation.
+        saved = int(CELL_SAVED_FRACTION * saved)
         return base_layer.fprop_meta(flops, out, num_params, _dtype(p),
                                      **base_layer.extra_param_counts(child_metas),
                                      saved_activation_bytes=saved)
