@@ -19,8 +19,8 @@ is the sum of
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
   back-propagating through layer j the activations of layers up to j plus j's gradient
-  temporaries), and the transfer buffers of the boundaries it sends and receives
-  (`TRANSFER_STAGING` per boundary tensor).
+  temporaries). Received boundary copies are the kept inputs of cells k > 0 and the received
+  output gradient of the running backward.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
@@ -59,9 +59,6 @@ from lingvo_lite.pipeline.schedule import Phase
 # layer saved (fitted on the Transformer blocks of bench_lib, see the module docstring).
 GRADIENT_TEMPORARIES = 2.0
 SAVED_GRADIENT_FRACTION = 0.5
-# Buffers per boundary tensor (one micro-batch's activation or gradient) that a device holds
-# while it sends or receives one.
-TRANSFER_STAGING = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +166,6 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
             backward_work = max(backward_work, below + temporaries)
             below -= m.saved_bytes / num_micro
         backward_work += boundary_out
-        # Crossing devices, a tensor is also serialised into (sent) or received in a buffer
-        # of its size while the running micro-batch's boundary moves (fitted on per-device
-        # peaks; zero for K = 1).
-        staging = TRANSFER_STAGING * ((boundary_in if k > 0 else 0.0)
-                                      + (boundary_out if k < part.num_cells - 1 else 0.0))
         # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
         kept_input = 0.0 if k == 0 else boundary_in
         kept = 0.0
@@ -196,7 +188,6 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                 kept -= stash.pop(t)
                 in_flight -= 1
             peak_in_flight = max(peak_in_flight, in_flight)
-            now = (now[0], now[1] + staging, now[2])
             if now[0] + now[1] > peak[0] + peak[1]:
                 peak = now
         out.append(DeviceMemory(
