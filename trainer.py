@@ -20,6 +20,12 @@ Modes:
                   configured) and through the same layers unpipelined on one device: loss and
                   per-variable gradient differences, worst first; exit status 1 if one exceeds
                   --equivalence_tolerance. Needs no --logdir and writes nothing.
+  plan            dry run: for --plan_devices=N devices of --plan_memory_per_device=16GiB each
+                  (optionally --plan_device_flops=1e14, achieved FLOP/s), search cells K, data
+                  replicas R, micro-batches T, schedule and remat; drop what does not fit the
+                  memory model; rank the rest by predicted examples/s (schedule simulator);
+                  print the top plans with per-device memory and time breakdown, why the best
+                  beats the runner-up, and the flags that run it. Allocates no weight.
 
 --profile_steps=N,M (train modes) captures global steps N..M with the TensorFlow profiler into
 <logdir>/train (TensorBoard's profile tab) and writes the pipeline's Gantt chart with the
@@ -114,6 +120,15 @@ _EQUIVALENCE_TOLERANCE = flags.DEFINE_float(
     "check_equivalence: the largest accepted relative difference of the loss and of each "
     "gradient (default 1e-3: float32 rounding measured up to 7.2e-5; a broken layer gives ~0.6).")
 
+_PLAN_DEVICES = flags.DEFINE_integer(
+    "plan_devices", None, "plan: number of devices N to plan for (plans use R x K <= N).")
+_PLAN_MEMORY_PER_DEVICE = flags.DEFINE_string(
+    "plan_memory_per_device", None,
+    "plan: memory of each device, e.g. 16GiB, 512MiB or 8GB (GB = 10^9 bytes, GiB = 2^30).")
+_PLAN_DEVICE_FLOPS = flags.DEFINE_float(
+    "plan_device_flops", None,
+    "plan: achieved FLOP/s of one device (default 5e13, see lingvo_lite/training/planner.py).")
+
 _TF_LOGS = flags.DEFINE_boolean(
     "tf_logs", False,
     "Show TensorFlow's C++ logs: its start-up lines (oneDNN, CUDA probing, CPU features) and "
@@ -157,6 +172,9 @@ def _options() -> options_lib.RunOptions:
         tpu=_TPU.value,
         reset_input_position=_RESET_INPUT_POSITION.value,
         equivalence_tolerance=_EQUIVALENCE_TOLERANCE.value,
+        plan_devices=_PLAN_DEVICES.value,
+        plan_memory_per_device=_PLAN_MEMORY_PER_DEVICE.value,
+        plan_device_flops=_PLAN_DEVICE_FLOPS.value,
     )
 
 

@@ -70,12 +70,15 @@ def _transformer_block_cls():
         def FPropMeta(cls, p, x_shape):  # noqa: N802
             shape = base_layer.to_shape(x_shape)
             flops, params = float(shape.num_elements()), 0
+            saved = base_layer.activation_bytes(shape)  # The attention residual's sum.
             for name, child in cls._children(p).items():
                 args = (shape,) * (3 if name == "atten" else 1)
                 meta = child.cls.FPropMeta(child, *args)
                 flops += meta.flops
                 params += meta.num_params
-            return base_layer.fprop_meta(flops, shape, params, tf.float32)
+                saved += base_layer.saved_activation_bytes(meta)
+            return base_layer.fprop_meta(flops, shape, params, tf.float32,
+                                         saved_activation_bytes=saved)
 
     return TransformerBlock
 

@@ -130,7 +130,7 @@ def main() -> None:
             "traced per micro-batch.", "", *table]
         command = "python bench/first_step.py" + (
             " --baseline=<a checkout of b2f3317>" if args.baseline else "") + " --record"
-        print(report.record_separate("9_first_step", "9. Start-up vs micro-batches: cells "
+        print(report.record_separate("11_first_step", "11. Start-up vs micro-batches: cells "
                                      "traced once (issue 14)", body, command))
 
 

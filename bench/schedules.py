@@ -193,7 +193,7 @@ def main() -> None:
             "(virtual_stages=2). zero_bubble: ZB-H1, whose W re-runs the cell's forward here. "
             "Theoretical bubble: the schedule's unit-time timeline (every action one tick). "
             "Measured idle: profiled on the shared pool (see the script's docstring).", ""]
-        print(report.record_separate("10_schedules", "10. Schedules side by side, and batched "
+        print(report.record_separate("12_schedules", "12. Schedules side by side, and batched "
                                      "weight gradients (issue 14)", intro + lines,
                                      "python bench/schedules.py --record"))
 

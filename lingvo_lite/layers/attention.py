@@ -210,9 +210,14 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         if p.use_bias:
             flops += B * Tq * H + 2 * B * Tk * H + B * Tq * D
             num_params += 3 * H + D
+        dtype = p.fprop_dtype or p.dtype
+        # Kept for the backward: the Q, K, V projections, the softmax probabilities, the
+        # context and the output projection.
+        saved = (B * Tq * H + 2 * B * Tk * H + B * N * Tq * Tk + B * Tq * H + B * Tq * D)
         return base_layer.fprop_meta(
             flops=flops,
             out_shapes=tf.TensorShape([B, Tq, D]),
             num_params=num_params,
-            dtype=p.fprop_dtype or p.dtype,
+            dtype=dtype,
+            saved_activation_bytes=saved * tf.as_dtype(dtype).size,
         )

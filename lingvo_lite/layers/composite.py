@@ -31,7 +31,8 @@ def chain_meta(layer_params: list[hyperparams.Params], *input_shapes: Any) -> li
 
 
 def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedMap:
-    """The FPropMeta of a chain: flops and params add up, shapes are the last layer's."""
+    """The FPropMeta of a chain: flops, params and saved activations add up, shapes are the
+    last layer's."""
     out_shapes = metas[-1].out_shapes if metas else input_shapes
     return base_layer.fprop_meta(
         flops=sum(m.flops for m in metas),
@@ -39,6 +40,7 @@ def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedM
         num_params=sum(m.num_params for m in metas),
         dtype=dtype,
         **base_layer.extra_param_counts(metas),
+        saved_activation_bytes=sum(base_layer.saved_activation_bytes(m) for m in metas),
     )
 
 

@@ -85,7 +85,12 @@ class ProjectionLayer(base_layer.BaseLayer):
             p.activation))
         num_params = p.input_dim * p.output_dim + (p.output_dim if p.has_bias else 0)
         out_shape = shape[:-1].concatenate([p.output_dim])
-        return base_layer.fprop_meta(flops, out_shape, num_params, p.fprop_dtype or p.dtype)
+        dtype = p.fprop_dtype or p.dtype
+        # For the backward it keeps its output (the activation's gradient needs it; matmul,
+        # bias and activation run fused); its input is the previous layer's output.
+        saved = outputs * tf.as_dtype(dtype).size
+        return base_layer.fprop_meta(flops, out_shape, num_params, dtype,
+                                     saved_activation_bytes=saved)
 
 
 class FCLayer(ProjectionLayer):

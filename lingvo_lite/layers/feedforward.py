@@ -95,12 +95,17 @@ class FeedForwardLayer(base_layer.BaseLayer):
                                                 2, p.input_dim, "input_dim")
         flops = 0.0
         num_params = 0
+        saved = 0
         shapes = (shape,)
         for child_p in cls._child_params(p).values():
             meta = child_p.cls.FPropMeta(child_p, *shapes)
             flops += meta.flops
             num_params += meta.num_params
+            saved += base_layer.saved_activation_bytes(meta)
             shapes = meta.out_shapes
+        dtype = p.fprop_dtype or p.dtype
         if p.add_residual:
             flops += shape.num_elements()
-        return base_layer.fprop_meta(flops, shape, num_params, p.fprop_dtype or p.dtype)
+            saved += base_layer.activation_bytes(shape, dtype)
+        return base_layer.fprop_meta(flops, shape, num_params, dtype,
+                                     saved_activation_bytes=saved)

@@ -81,7 +81,8 @@ class FieldLayer(base_layer.BaseLayer):
         out = shapes.DeepCopy()
         out.Set(p.output_field or p.field, meta.out_shapes[0])
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
-                                     **base_layer.extra_param_counts([meta]))
+                                     **base_layer.extra_param_counts([meta]),
+                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -150,4 +151,5 @@ class FieldsLayer(base_layer.BaseLayer):
             stored, out = out, shapes.DeepCopy()
             out.Set(p.output_field, stored)
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
-                                     **base_layer.extra_param_counts([meta]))
+                                     **base_layer.extra_param_counts([meta]),
+                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta))

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 
 MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_params",
-         "inspect_model", "check_equivalence")
+         "inspect_model", "check_equivalence", "plan")
 TRAIN_MODES = ("train", "train_and_eval")
 LOGDIR_MODES = ("train", "eval", "train_and_eval", "decode")
 
@@ -64,6 +64,9 @@ class RunOptions:
         input from its beginning instead of the checkpoint's input position (needed after
         changing `input.batch_size`: a saved position only fits the batch size it was saved
         with). The run then no longer sees the same batches as an uninterrupted one.
+      plan_devices, plan_memory_per_device, plan_device_flops: --mode=plan's number of
+        devices, memory per device ('16GiB', '512MiB', '8GB') and achieved FLOP/s per device
+        (None: `planner.DEFAULT_DEVICE_FLOPS`).
       tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
         TPUStrategy, cell k on core k of each replica; None = no TPU unless a
         PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
@@ -90,6 +93,9 @@ class RunOptions:
     tpu: str | None = None
     reset_input_position: bool = False
     equivalence_tolerance: float | None = None
+    plan_devices: int | None = None
+    plan_memory_per_device: str | None = None
+    plan_device_flops: float | None = None
 
     def validate(self) -> None:
         """Raises UsageError for missing or out-of-range options (no TensorFlow needed)."""
@@ -121,6 +127,8 @@ class RunOptions:
         if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))
                                 or not tol > 0):
             raise UsageError(f"--equivalence_tolerance={tol!r} must be a number > 0, e.g. 1e-4.")
+        if self.mode == "plan":
+            self._validate_plan()
         if self.profile_steps:
             from lingvo_lite.training import profiling
 
@@ -131,6 +139,23 @@ class RunOptions:
         if self.mode in ("eval", "train_and_eval", "decode") and not list(self.eval_splits):
             raise UsageError(f"--eval_splits is empty; pass e.g. --eval_splits=dev for "
                              f"--mode={self.mode}.")
+
+    def _validate_plan(self) -> None:
+        if self.plan_devices is None:
+            raise UsageError("--plan_devices is required for --mode=plan; pass the number of "
+                             "devices to plan for, e.g. --plan_devices=8.")
+        _check_int("plan_devices", self.plan_devices, minimum=1)
+        if not self.plan_memory_per_device:
+            raise UsageError("--plan_memory_per_device is required for --mode=plan; pass each "
+                             "device's memory, e.g. --plan_memory_per_device=16GiB.")
+        from lingvo_lite.training import sizes
+
+        sizes.parse_size(self.plan_memory_per_device)
+        flops = self.plan_device_flops
+        if flops is not None and (isinstance(flops, bool) or not isinstance(flops, (int, float))
+                                  or not flops > 0):
+            raise UsageError(f"--plan_device_flops={flops!r} must be a number > 0 (FLOP/s), "
+                             "e.g. 1e14.")
 
     def _validate_logdir(self) -> None:
         if not self.logdir:

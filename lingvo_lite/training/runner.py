@@ -140,6 +140,13 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
             config.name, config.task_params, list(options.inspect_num_cells)), out)
     if options.mode == "check_equivalence":
         return _prepare_check_equivalence(options, config, out, err)
+    if options.mode == "plan":
+        from lingvo_lite.training import planner
+
+        return _printer(planner.plan_text(
+            config.name, config.task_params, options.plan_devices,
+            planner.parse_size(options.plan_memory_per_device), options.plan_device_flops,
+            options.model_params_override), out)
     return _prepare_run(options, config, out, err)
 
 

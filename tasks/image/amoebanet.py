@@ -177,17 +177,20 @@ class _StepsLayer(base_layer.BaseLayer):
     def _StepsMeta(cls, p: Params, shape: tf.TensorShape  # noqa: N802
                    ) -> tuple[float, tf.TensorShape, int, dict[str, int]]:
         """(flops, output shape, num_params, extra_param_counts) of the chain on `shape`."""
-        flops, num_params, metas = 0.0, 0, []
+        flops, num_params, metas, saved = 0.0, 0, [], 0
         for _, step in cls._Steps(p):
             if step is None:
                 flops += _num_elements(shape)  # One max per element.
+                saved += base_layer.activation_bytes(shape, _dtype(p))
                 continue
             meta = step.cls.FPropMeta(step, shape)
             metas.append(meta)
             flops += meta.flops
             num_params += meta.num_params
+            saved += base_layer.saved_activation_bytes(meta)
             shape = meta.out_shapes[0]
-        return flops, shape, num_params, base_layer.extra_param_counts(metas)
+        return (flops, shape, num_params,
+                {**base_layer.extra_param_counts(metas), "saved_activation_bytes": saved})
 
 
 class SubsampleLayer(base_layer.BaseLayer):
@@ -435,6 +438,11 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
 # Cells
 # ---------------------------------------------------------------------------------------------
 
+# Of the bytes of all its ops' outputs, the share a cell keeps for its backward (the rest, e.g.
+# a batch norm's output that only feeds a ReLU, is freed once consumed); fitted on measured
+# per-device peaks without re-materialisation (bench/memory_model_check.py).
+CELL_SAVED_FRACTION = 0.65
+
 
 def scheduled_keep_prob(keep_prob: float, cell_index: int, total_num_cells: int) -> float:
     """Linear drop-path schedule over depth: 1 - (cell_index + 1) / total * (1 - keep_prob)."""
@@ -654,6 +662,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
         _check_nhwc(where, x, p.input_dim, "input_dim")
         fixed = dict(cls._FixedChildren(p, plan))
         flops, num_params, child_metas = 0.0, 0, []
+        adds = 0  # Bytes of the combinations' sums, kept like any op output.
 
         def run(child: InstantiableParams, shape: tf.TensorShape) -> tf.TensorShape:
             nonlocal flops, num_params
@@ -681,6 +690,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
             if outs[0] != outs[1]:
                 raise ValueError(f"{where}: combination {c} adds shapes {outs[0]} and {outs[1]}.")
             flops += _num_elements(outs[0])  # The add.
+            adds += base_layer.activation_bytes(outs[0], _dtype(p))
             states.append(outs[0])
         out_shapes = []
         for i in plan.concat:
@@ -691,8 +701,12 @@ class AmoebaNetCell(base_layer.BaseLayer):
         out = shapes.copy()
         out.x = out_shapes[0][:-1].concatenate([plan.out_dim])
         out.prev_x = x
+        saved = (sum(base_layer.saved_activation_bytes(m) for m in child_metas) + adds
+                 + base_layer.activation_bytes(out.x, _dtype(p)))  # + the concatenation.
+        saved = int(CELL_SAVED_FRACTION * saved)
         return base_layer.fprop_meta(flops, out, num_params, _dtype(p),
-                                     **base_layer.extra_param_counts(child_metas))
+                                     **base_layer.extra_param_counts(child_metas),
+                                     saved_activation_bytes=saved)
 
 
 # ---------------------------------------------------------------------------------------------

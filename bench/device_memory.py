@@ -1,0 +1,278 @@
+"""Per-device peak memory of a pipelined training step: one process per device.
+
+Logical CPU devices of one process share one BFC allocator (TF_NOTES.md), so their memory
+cannot be told apart. Here every cell runs in its own process, a TensorFlow gRPC worker on
+127.0.0.1 with `TF_CPU_ALLOCATOR_USE_BFC=true`, and each worker reports its own allocator's
+`get_memory_info('CPU:0')` when asked on its stdin. The client process (this one) holds only
+the input batch; boundary activations and their gradients really cross between processes, so
+the received copies are counted where they land, as on accelerators.
+
+    with device_memory.Cluster(4) as cluster:
+        peaks = device_memory.measure_step(cluster, layers, shapes, make_batch, 4, 8,
+                                           "gpipe", "except_last")
+
+or, for a registered model's first PipeliningLayer, one config per K:R:T:schedule:remat
+(prints {"peak_bytes": [[device peaks of config 1], ...]}):
+
+    python bench/device_memory.py measure --model=image.AmoebaNetDigits \
+        --configs=2:1:4:1f1b:always,1:2:1:gpipe:never
+
+`peaks[k]` is device k's peak over MEASURED_STEPS training steps (momentum SGD, slots on each
+weight's device) above what the worker held before the pipeline's variables were created: weights,
+gradients, the momentum slot and every transient. Workers are started here and stopped here by
+PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+JOB = "worker"
+# Steps whose peak is taken after the warm-up step. One: a step's result (the loss) comes back
+# before its weight updates finish, so consecutive steps overlap on the workers; which
+# activations are alive at a device's peak also depends on when transfers complete, so the
+# same step measured twice can differ (up to ~25% at small scale).
+MEASURED_STEPS = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """`num_workers` single-device worker processes, and this process connected to them."""
+
+    def __init__(self, num_workers: int, inter_op_threads: int = 1) -> None:
+        self.num_workers = num_workers
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
+        self._inter = inter_op_threads
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Cluster:
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
+        for i in range(self.num_workers):
+            self._procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), ",".join(self.addresses), str(i),
+                 str(self._inter)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, env=env))
+        try:
+            for proc in self._procs:
+                if proc.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a memory worker failed to start")
+            import tensorflow as tf
+            from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+
+            tf.config.experimental_connect_to_cluster(
+                SimpleClusterResolver(tf.train.ClusterSpec({JOB: self.addresses}),
+                                      rpc_layer="grpc"),
+                make_master_device_default=False)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        self._procs = []
+
+    def devices(self, num: int) -> list[str]:
+        return [f"/job:{JOB}/replica:0/task:{i}/device:CPU:0" for i in range(num)]
+
+    def _ask(self, proc: subprocess.Popen, command: str) -> str:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().strip()
+
+    def reset_peaks(self) -> None:
+        for proc in self._procs:
+            self._ask(proc, "reset")
+
+    def memory_info(self) -> list[dict[str, int]]:
+        """Each worker's {'current': bytes, 'peak': bytes} since its last reset."""
+        return [json.loads(self._ask(proc, "info")) for proc in self._procs]
+
+
+def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
+                 num_micro_batches: int, schedule: str, remat: str, num_replicas: int = 1,
+                 num_slots: int = 1) -> list[int]:
+    """Peak bytes of each of the R x K devices in one training step (module docstring)."""
+    import bench_lib
+
+    def build(placement):
+        return bench_lib.make_pipeline(layers, shapes, num_cells, num_micro_batches, remat,
+                                       schedule=schedule, placement=placement,
+                                       num_replicas=num_replicas)
+
+    return _measure(cluster, build, make_batch(), num_cells * num_replicas, num_slots)
+
+
+def _measure(cluster: Cluster, build, batch, num_devices: int, num_slots: int) -> list[int]:
+    """Builds the pipeline on the cluster's first devices; the peak of MEASURED_STEPS steps
+    after a warm-up step.
+
+    The step is `FPropAndReplicaGrads`, then a momentum-SGD update from slot 0 of the
+    `num_slots` weight-sized slots created beside each trainable weight (the others stand for
+    the rest of an optimizer's state, e.g. Adam's).
+    """
+    import gc
+
+    import tensorflow as tf
+
+    from lingvo_lite import fprop_context
+
+    gc.collect()
+    time.sleep(0.2)  # Remote handles of an earlier step are released asynchronously.
+    before = [m["current"] for m in cluster.memory_info()]
+    pipe = build(cluster.devices(num_devices))
+    thetas = pipe.replica_thetas(pipe.theta)
+    variables = [[v for v in th.Flatten() if isinstance(v, tf.Variable) and v.trainable]
+                 for th in thetas]
+    slots = []
+    for vs in variables:
+        row = []
+        for v in vs:
+            with tf.device(v.device):
+                row.append([tf.Variable(tf.zeros_like(v), trainable=False)
+                            for _ in range(num_slots)])
+        slots.append(row)
+
+    def step(batch):
+        with fprop_context.fprop_context(training=True):
+            out, grads = pipe.FPropAndReplicaGrads(thetas, batch)
+        for theta, g, vs, ss in zip(thetas, grads, variables, slots):
+            by_ref = {v.ref(): x for v, x in zip(theta.Flatten(), g.Flatten())
+                      if isinstance(v, tf.Variable)}
+            for v, s in zip(vs, ss):
+                with tf.device(v.device):
+                    update = by_ref[v.ref()]
+                    if s:
+                        update = s[0].assign(0.9 * s[0] + update)
+                    v.assign_sub(1e-3 * update)
+        return out.loss
+
+    fn = tf.function(step, autograph=False)
+    float(fn(batch))  # Trace and warm up outside the measured steps.
+    cluster.reset_peaks()
+    for _ in range(MEASURED_STEPS):
+        float(fn(batch))
+    peaks = [m["peak"] - b for m, b in zip(cluster.memory_info(), before)]
+    return peaks[:num_devices]  # The pipeline is freed with this frame (next call: gc).
+
+
+def random_batch(shapes, seed: int = 0):
+    """A batch shaped like `shapes` (NestedMap of shapes): normal floats, zero integers."""
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite import base_layer
+    from lingvo_lite.nested_map import NestedMap
+
+    rng = np.random.default_rng(seed)
+    shapes = base_layer.to_shape(shapes)
+
+    def one(shape, dtype):
+        if dtype.is_floating:
+            return tf.constant(rng.normal(size=shape.as_list()), dtype)
+        return tf.zeros(shape.as_list(), dtype)
+
+    if isinstance(shapes, dict):
+        return NestedMap({k: one(v, tf.int32 if k in _INT_FIELDS else tf.float32)
+                          for k, v in shapes.items()})
+    return one(shapes, tf.float32)
+
+
+# Input fields that hold ids or labels (int32) in the registered models.
+_INT_FIELDS = ("labels", "label", "ids", "src_ids", "tgt_ids", "tgt_labels")
+
+
+def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: int,
+                  num_micro_batches: int, schedule: str, remat: str,
+                  model_params_override: str = "") -> list[int]:
+    """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
+    with as many slots per weight as the task's optimizer keeps."""
+    from lingvo_lite.pipeline import memory_model
+    from lingvo_lite.training import model_config, options
+
+    config = model_config.build_model_config(options.RunOptions(
+        model=model, mode="inspect_model", model_params_override=model_params_override,
+        num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=num_micro_batches))
+    _, pp = next(iter(model_config.iter_pipelining_params(config.task_params)))
+    pp = pp.Copy().Set(schedule=schedule, remat=remat, name=pp.name or "network")
+    num_slots = memory_model.optimizer_slots(config.task_params.train.optimizer)
+
+    def build(placement):
+        return pp.Copy().Set(placement=placement).Instantiate()
+
+    return _measure(cluster, build, random_batch(pp.input_shapes), num_cells * num_replicas,
+                    num_slots)
+
+
+def _serve(addresses: list[str], index: int, inter: int) -> None:
+    """Worker: serves task `index`; answers 'reset' and 'info' on stdin (one line each)."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": 1}, intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=inter)
+    server = tf.distribute.Server(tf.train.ClusterSpec({JOB: addresses}), job_name=JOB,
+                                  task_index=index, protocol="grpc", config=config, start=True)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "reset":
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            print("ok", flush=True)
+        elif command == "info":
+            print(json.dumps(tf.config.experimental.get_memory_info("CPU:0")), flush=True)
+    # stdin closed: the client is gone. gRPC's threads would keep the process alive.
+    del server
+    os._exit(0)
+
+
+def _measure_main(argv: list[str]) -> None:
+    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat,...`.
+
+    Prints one JSON line: {"peak_bytes": [[device peaks of config 1], ...]}.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="device_memory.py measure")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--configs", required=True,
+                        help="Comma-separated K:R:T:schedule:remat, e.g. 2:1:4:1f1b:always.")
+    parser.add_argument("--model_params_override", default="")
+    args = parser.parse_args(argv)
+    root = os.path.join(HERE, "..")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    configs = []
+    for text in args.configs.split(","):
+        k, r, t, schedule, remat = text.split(":")
+        configs.append((int(k), int(r), int(t), schedule, remat))
+    with Cluster(max(k * r for k, r, *_ in configs)) as cluster:
+        peaks = [measure_model(cluster, args.model, k, r, t, schedule, remat,
+                               args.model_params_override)
+                 for k, r, t, schedule, remat in configs]
+    print(json.dumps({"peak_bytes": peaks}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["measure"]:
+        _measure_main(sys.argv[2:])
+    else:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        _serve(sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,198 @@
+"""Memory model: each device's peak bytes in one pipelined training step, without running it.
+
+From the layers' `FPropMeta` (parameters, output bytes, saved-activation estimate), the
+partition, the schedule's per-device orders and the re-materialisation policy, device k's peak
+is the sum of
+
+* weights: every parameter of the cell's layers (trainable or not);
+* gradients: the gradient of each trainable weight, the temporaries of computing and applying
+  them (two of the largest layer's weights, at most the cell's), and with T > 1 the running
+  sum of the micro-batches' weight gradients (fitted on weight-heavy dense layers);
+* optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
+  (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
+* inputs: cell 0 holds the whole received mini-batch for the step (and its micro-batch slices);
+* activations at the worst moment of the device's own order: for every micro-batch whose
+  forward ran and whose backward has not (walked from `Schedule.cell_order`, so GPipe keeps T,
+  1F1B at most K - k, and any new schedule its own), the received boundary copy of its input,
+  plus all its saved activations when its backward does not recompute (the same decision as
+  `simulator.recomputed_actions`); plus the working set of the running action: one
+  micro-batch's saved activations (being produced by a forward, or re-produced by a
+  recomputing backward), its activation gradients (the received output gradient, and while
+  back-propagating through layer j the activations of layers up to j plus j's gradient
+  temporaries). Received boundary copies are the kept inputs of cells k > 0 and the received
+  output gradient of the running backward.
+
+Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
+estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
+output, the Transformer block about 20x (attention probabilities, the 4x-wide hidden layer),
+AmoebaNet cells the sum of their ops' outputs. Measured against per-device BFC peaks (one
+process per device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
+`tests/memory_model_test.py`.
+
+>>> from lingvo_lite.pipeline import memory_model, partition, schedule
+>>> layers = [memory_model.LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800,
+...                                    saved_bytes=1600)] * 4
+>>> part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 2)
+>>> gpipe = schedule.make_schedule("gpipe", 2, 4)
+>>> mem = memory_model.device_memory(part, layers, 800, gpipe, "never", num_slots=1)
+>>> mem[1].weights, mem[1].gradients, mem[1].optimizer_slots
+(800, 2400, 800)
+>>> mem[1].peak_in_flight  # GPipe: all T micro-batches in flight.
+4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from lingvo_lite import base_layer
+from lingvo_lite.pipeline import partition as partition_lib
+from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline import simulator
+from lingvo_lite.pipeline.schedule import Phase
+
+# Gradient temporaries while back-propagating through one layer (one micro-batch): at least
+# the gradient flowing in and the one going out (2 x its output), and for layers with large
+# internal activations (attention probabilities, a wide hidden layer) about half of what the
+# layer saved (fitted on the Transformer blocks of bench_lib, see the module docstring).
+GRADIENT_TEMPORARIES = 2.0
+SAVED_GRADIENT_FRACTION = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemory:
+    """What one layer contributes to memory, for the whole mini-batch."""
+
+    param_bytes: int  # Every weight (trainable or not).
+    trainable_bytes: int  # Those that get a gradient and optimizer slots.
+    out_bytes: int  # Its output (the boundary when a cell ends here).
+    saved_bytes: int  # Activations it keeps from its forward for its backward.
+
+
+def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:
+    """`LayerMemory` of each layer from its FPropMeta (e.g. `PipeliningLayer.LayerMetas`)."""
+    out = []
+    for m in metas:
+        trainable = int(m.num_params) - int(m.get("non_trainable_params", 0))
+        out.append(LayerMemory(param_bytes=int(m.num_params) * param_bytes_per_element,
+                               trainable_bytes=trainable * param_bytes_per_element,
+                               out_bytes=int(m.out_bytes),
+                               saved_bytes=base_layer.saved_activation_bytes(m)))
+    return out
+
+
+def optimizer_slots(optimizer_params: Any) -> int:
+    """Weight-sized slots the optimizer keeps per trainable weight (lingvo_lite.optimizers).
+
+    >>> from lingvo_lite import optimizers
+    >>> optimizer_slots(optimizers.Adam.Params()), optimizer_slots(optimizers.RMSProp.Params())
+    (3, 2)
+    """
+    if optimizer_params is None:
+        return 0
+    cls = optimizer_params.cls
+    optimizer = cls.__new__(cls)
+    optimizer.params = optimizer_params
+    return len(optimizer._slot_names())
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Device `cell`'s predicted bytes at its peak, by part."""
+
+    cell: int
+    weights: int
+    gradients: int
+    optimizer_slots: int
+    inputs: int  # The received mini-batch (cell 0).
+    kept_activations: int  # Of the micro-batches in flight at the peak.
+    working_activations: int  # Of the action running at the peak.
+    peak_in_flight: int  # Most micro-batches in flight on this device.
+    peak_action: schedule_lib.Action | None
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer_slots + self.inputs
+                + self.kept_activations + self.working_activations)
+
+    @property
+    def activations(self) -> int:
+        return self.kept_activations + self.working_activations
+
+
+def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
+                  input_bytes: int, sched: schedule_lib.Schedule, remat: str,
+                  num_slots: int = 1) -> list[DeviceMemory]:
+    """Each device's predicted peak (one `DeviceMemory` per cell, not summed).
+
+    Args:
+      part: which layers each cell holds.
+      layers: `layer_memory` of every layer, for the whole (per-replica) mini-batch.
+      input_bytes: bytes of one (per-replica) mini-batch fed to cell 0.
+      sched: the schedule; its per-cell orders decide what is in flight.
+      remat: re-materialisation policy ('always', 'except_last', 'never').
+      num_slots: weight-sized optimizer slots per trainable weight (`optimizer_slots`).
+    """
+    if len(layers) != part.num_layers:
+        raise ValueError(f"device_memory got {len(layers)} layers for a partition of "
+                         f"{part.num_layers}.")
+    if sched.num_cells != part.num_cells:
+        raise ValueError(f"The schedule has {sched.num_cells} cells, the partition "
+                         f"{part.num_cells}.")
+    num_micro = sched.num_micro_batches
+    recomputed = simulator.recomputed_actions(sched, remat)
+    out = []
+    for k, (a, b) in enumerate(part.cell_layer_ranges):
+        cell = list(layers[a:b])
+        weights = sum(m.param_bytes for m in cell)
+        trainable = sum(m.trainable_bytes for m in cell)
+        largest_weights = max((m.trainable_bytes for m in cell), default=0)
+        gradients = (trainable + min(trainable, 2 * largest_weights)
+                     + (trainable if num_micro > 1 else 0))
+        boundary_in = (input_bytes if k == 0 else layers[a - 1].out_bytes) / num_micro
+        boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
+        saved = sum(m.saved_bytes for m in cell) / num_micro
+        # A forward whose activations are not kept holds about one layer's at a time.
+        forward_work = max((m.saved_bytes for m in cell), default=0) / num_micro
+        # Back-propagating through layer j: the saved activations of layers up to j, plus
+        # j's gradient temporaries; the worst j is the cell's backward working set.
+        backward_work = 0.0
+        below = saved
+        for m in reversed(cell):
+            temporaries = max(GRADIENT_TEMPORARIES * m.out_bytes,
+                              SAVED_GRADIENT_FRACTION * m.saved_bytes) / num_micro
+            backward_work = max(backward_work, below + temporaries)
+            below -= m.saved_bytes / num_micro
+        backward_work += boundary_out
+        # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
+        kept_input = 0.0 if k == 0 else boundary_in
+        kept = 0.0
+        in_flight = peak_in_flight = 0
+        peak = (0.0, 0.0, None)
+        stash: dict[int, float] = {}
+        for action in sched.cell_order(k):
+            t = action.micro_batch
+            if action.phase is Phase.FORWARD:
+                backward = schedule_lib.Action(Phase.BACKWARD, k, t)
+                stash[t] = kept_input + (0.0 if backward in recomputed else saved)
+                kept += stash[t]
+                in_flight += 1
+                working = forward_work if backward in recomputed else 0.0
+                now = (kept, working, action)
+            else:
+                # A kept micro-batch's activations are already in `kept`.
+                working = backward_work - (0.0 if action in recomputed else saved)
+                now = (kept, working, action)
+                kept -= stash.pop(t)
+                in_flight -= 1
+            peak_in_flight = max(peak_in_flight, in_flight)
+            if now[0] + now[1] > peak[0] + peak[1]:
+                peak = now
+        out.append(DeviceMemory(
+            cell=k, weights=weights, gradients=gradients, optimizer_slots=num_slots * trainable,
+            inputs=int(input_bytes) if k == 0 else 0, kept_activations=int(round(peak[0])),
+            working_activations=int(round(peak[1])), peak_in_flight=peak_in_flight,
+            peak_action=peak[2]))
+    return out

@@ -1,0 +1,354 @@
+"""The dry-run planner behind `trainer.py --mode=plan`: which pipeline fits and runs fastest.
+
+For a PipeliningLayer's params, a number of devices N and a memory budget per device, it
+searches the cell count K (every K a partition can make, up to N and the number of layers),
+the data replicas R (R x K <= N, R dividing the mini-batch), the micro-batches T (divisors of
+the per-replica batch), the schedule and the re-materialisation policy. Each candidate gets
+
+* its peak memory per device from `memory_model.device_memory` (the layers' FPropMeta at the
+  per-replica batch, the schedule's per-device orders, the task's optimizer slots); candidates
+  whose worst device exceeds the budget are dropped;
+* its step time from `simulator.simulate`: each cell's forward = its layers' FLOPs / the device
+  throughput (`--plan_device_flops`, default `DEFAULT_DEVICE_FLOPS`) + a fixed per-action
+  overhead, backward = 2 x forward (+ the forward again when recomputed), a boundary crossing
+  = its bytes / `DEFAULT_LINK_BYTES_PER_S`, and with R > 1 a ring all-reduce of the largest
+  cell's gradients.
+
+Plans are ranked by predicted examples/s (mini-batch / step time).
+
+>>> from lingvo_lite.training import planner
+>>> import tensorflow as tf
+>>> from lingvo_lite.layers import dense
+>>> from lingvo_lite.pipeline import pipelining_layer
+>>> p = pipelining_layer.PipeliningLayer.Params().Set(
+...     name="pipe", input_shapes=tf.TensorShape([64, 256]), layers=[
+...         dense.ProjectionLayer.Params().Set(name=f"l{i}", input_dim=256, output_dim=256)
+...         for i in range(8)])
+>>> result = planner.search(p, num_devices=4, budget=planner.parse_size("4MiB"))
+>>> best = result.fitting[0]
+>>> best.num_cells * best.num_replicas <= 4, best.peak_bytes <= 4 * 2**20
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_lite import base_layer, hyperparams
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import memory_model, partition, pipelining_layer, simulator
+from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.training.options import UsageError
+from lingvo_lite.training.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
+
+# Achieved (not peak) dense throughput of one accelerator when --plan_device_flops is not
+# given: 50 TFLOP/s, about a V100's or TPU v3 core's mixed-precision matmul rate in practice.
+# Only the ranking's transfer and overhead terms depend on it.
+DEFAULT_DEVICE_FLOPS = 50e12
+# Bytes/s between neighbouring devices (boundary activations, gradient all-reduce).
+DEFAULT_LINK_BYTES_PER_S = 25e9
+# Fixed cost of every forward or backward action (kernel launches, a micro-batch's
+# bookkeeping); it is what makes very many tiny micro-batches lose.
+ACTION_OVERHEAD_S = 50e-6
+BACKWARD_RATIO = 2.0
+MAX_MICRO_BATCHES = 512
+# When two remat policies recompute the same backwards, the plan is labelled with the first.
+_REMAT_PREFERENCE = ("never", "except_last", "always")
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One candidate configuration with its predicted step and memory."""
+
+    num_cells: int
+    num_replicas: int
+    num_micro_batches: int
+    schedule: str
+    remat: str
+    global_batch: int
+    step: simulator.SimulatedStep
+    all_reduce_time: float
+    memory: tuple[memory_model.DeviceMemory, ...]
+
+    @property
+    def step_time(self) -> float:
+        return self.step.step_time + self.all_reduce_time
+
+    @property
+    def examples_per_s(self) -> float:
+        return self.global_batch / max(self.step_time, 1e-30)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(m.total for m in self.memory)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_cells * self.num_replicas
+
+    def label(self) -> str:
+        return (f"K={self.num_cells} R={self.num_replicas} T={self.num_micro_batches} "
+                f"{self.schedule} remat={self.remat}")
+
+    def parts(self) -> dict[str, float]:
+        """Seconds of the step spent on each of GPipe's Figure 4 parts (+ all-reduce)."""
+        b = self.step.breakdown()
+        t = self.step.step_time
+        return {"compute": b.compute * t, "recompute": b.recompute * t,
+                "load imbalance": b.load_imbalance * t, "bubble": b.bubble * t,
+                "all-reduce": self.all_reduce_time}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSearch:
+    """Every candidate, split into those that fit the budget and those that do not."""
+
+    fitting: tuple[Plan, ...]  # Fastest first.
+    too_big: tuple[Plan, ...]  # Fastest first.
+    budget: int
+    num_devices: int
+    device_flops: float
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _with_batch(shapes: Any, batch_dim: int, batch: int) -> Any:
+    """`shapes` (a shape or nested dict of them) with dimension `batch_dim` set to `batch`."""
+    if isinstance(shapes, dict):
+        return NestedMap({k: _with_batch(v, batch_dim, batch) for k, v in shapes.items()})
+    dims = base_layer.to_shape(shapes).as_list()
+    if len(dims) > batch_dim:
+        dims[batch_dim] = batch
+    return tf.TensorShape(dims)
+
+
+def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
+                   input_bytes: int, sched: schedule_lib.Schedule, remat: str, num_slots: int,
+                   num_replicas: int) -> list[memory_model.DeviceMemory]:
+    mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots)
+    if num_replicas > 1:  # The all-reduced gradient beside the local one.
+        mem = [dataclasses.replace(m, gradients=m.gradients
+                                   + sum(x.trainable_bytes for x in layers[a:b]))
+               for m, (a, b) in zip(mem, part.cell_layer_ranges)]
+    return mem
+
+
+def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
+                   num_micro_batches: int, schedule: str, remat: str,
+                   num_slots: int = 1) -> list[memory_model.DeviceMemory]:
+    """The memory model of one configuration of PipeliningLayer params `p` (per device of a
+    replica; every replica's devices hold the same)."""
+    batch = global_batch_size(p)
+    q = p.Copy()
+    q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
+    q.num_cells = num_cells
+    metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
+    part = pipelining_layer.PipeliningLayer.ComputePartition(q)
+    sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches)
+    return _device_memory(part, memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size),
+                          base_layer.activation_bytes(q.input_shapes), sched, remat, num_slots,
+                          num_replicas)
+
+
+def global_batch_size(p: hyperparams.Params) -> int:
+    """The mini-batch size a PipeliningLayer's `input_shapes` describe."""
+    if p.input_shapes is None:
+        raise UsageError("--mode=plan needs the PipeliningLayer's input_shapes (the shape of "
+                         "one mini-batch) to estimate costs; set <pipeline>.input_shapes.")
+    shapes = base_layer.to_shape(p.input_shapes)
+    leaf = shapes.Flatten()[0] if hasattr(shapes, "Flatten") else shapes
+    return int(leaf[p.batch_dim])
+
+
+def search(p: hyperparams.Params, num_devices: int, budget: int,
+           device_flops: float = DEFAULT_DEVICE_FLOPS, num_slots: int = 1,
+           schedules: Sequence[str] | None = None,
+           remats: Sequence[str] = simulator.REMAT_POLICIES,
+           link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S) -> PlanSearch:
+    """Every (K, R, T, schedule, remat) for `p` on `num_devices`, predicted and ranked.
+
+    Args:
+      p: the PipeliningLayer params (its layers, input_shapes, partition method and dtype).
+      num_devices: N; plans use R x K <= N devices.
+      budget: bytes of memory per device.
+      device_flops: achieved FLOP/s of one device.
+      num_slots: weight-sized optimizer slots per weight (`memory_model.optimizer_slots`).
+      schedules: schedule names to try (default: every registered schedule).
+      remats: re-materialisation policies to try.
+      link_bytes_per_s: bandwidth of a boundary crossing and of the all-reduce.
+    """
+    schedules = list(schedules or schedule_lib.SCHEDULES)
+    batch = global_batch_size(p)
+    param_size = tf.as_dtype(p.dtype).size
+    fitting, too_big = [], []
+    for r in _divisors(batch):
+        if r > num_devices:
+            break
+        q = p.Copy()
+        q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // r)
+        metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
+        layers = memory_model.layer_memory(metas, param_size)
+        input_bytes = base_layer.activation_bytes(q.input_shapes)
+        flops = [m.flops for m in metas]
+        for k in range(1, min(num_devices // r, len(metas)) + 1):
+            q.num_cells = k
+            try:
+                part = pipelining_layer.PipeliningLayer.ComputePartition(q)
+            except ValueError:
+                continue
+            if part.num_cells != k:
+                continue
+            cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
+            boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
+            grads = max(sum(m.trainable_bytes for m in layers[a:b])
+                        for a, b in part.cell_layer_ranges)
+            all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
+            for t in _divisors(batch // r):
+                if t > MAX_MICRO_BATCHES:
+                    break
+                forward = tuple(f / t / device_flops + ACTION_OVERHEAD_S for f in cell_flops)
+                backward = tuple(BACKWARD_RATIO * (f - ACTION_OVERHEAD_S) + ACTION_OVERHEAD_S
+                                 for f in forward)
+                transfer = max(boundary, default=0) / t / link_bytes_per_s
+                costs = simulator.PhaseCosts(forward, backward, transfer)
+                seen_orders = set()
+                for name in schedules:
+                    sched = schedule_lib.make_schedule(name, k, t)
+                    # Schedules (and below, remat policies) that do the same are tried once.
+                    orders = tuple(tuple(sched.cell_order(c)) for c in range(k))
+                    if orders in seen_orders:
+                        continue
+                    seen_orders.add(orders)
+                    seen_remat = set()
+                    for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
+                        recomputed = frozenset(simulator.recomputed_actions(sched, remat))
+                        if recomputed in seen_remat:
+                            continue
+                        seen_remat.add(recomputed)
+                        step = simulator.simulate(sched, costs, remat=remat)
+                        mem = _device_memory(part, layers, input_bytes, sched, remat,
+                                             num_slots, r)
+                        plan = Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem))
+                        (fitting if plan.peak_bytes <= budget else too_big).append(plan)
+
+    def rank(plans: list[Plan]) -> tuple[Plan, ...]:
+        return tuple(sorted(plans, key=lambda x: (-x.examples_per_s, x.peak_bytes,
+                                                  x.num_devices)))
+
+    return PlanSearch(rank(fitting), rank(too_big), budget, num_devices, device_flops)
+
+
+def why_better(best: Plan, other: Plan) -> str:
+    """One sentence: where `best`'s step time is saved (or what `other` lacks)."""
+    faster = other.step_time / max(best.step_time, 1e-30) - 1.0
+    diffs = [f"{name} {best_s * 1e3:.2f} vs {other_s * 1e3:.2f} ms"
+             for (name, best_s), other_s in zip(best.parts().items(), other.parts().values())
+             if abs(best_s - other_s) > 0.01 * max(best.step_time, 1e-30)]
+    knobs = [f"{n} {a} vs {b}" for n, a, b in (
+        ("K", best.num_cells, other.num_cells), ("R", best.num_replicas, other.num_replicas),
+        ("T", best.num_micro_batches, other.num_micro_batches),
+        ("schedule", best.schedule, other.schedule), ("remat", best.remat, other.remat))
+        if a != b]
+    text = (f"The best plan is {faster:.1%} faster than the runner-up ({', '.join(knobs)}): "
+            + ("; ".join(diffs) if diffs else "the same time parts, within 1%") + ".")
+    if faster < 1e-9:
+        text += (f" Equal speed; it needs less memory ({format_bytes(best.peak_bytes)} vs "
+                 f"{format_bytes(other.peak_bytes)} on the fullest device) or fewer devices.")
+    return text
+
+
+def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> str:
+    """The trainer.py command line that runs `plan`."""
+    override = "; ".join(x for x in [base_override.strip().rstrip(";"),
+                                     f"{path}.schedule : '{plan.schedule}'",
+                                     f"{path}.remat : '{plan.remat}'"] if x)
+    return (f"python trainer.py --model={model} --num_cells={plan.num_cells} "
+            f"--num_replicas={plan.num_replicas} --num_micro_batches={plan.num_micro_batches} "
+            f"--model_params_override=\"{override}\"")
+
+
+def _row(i: int, plan: Plan, budget: int) -> str:
+    b = plan.step.breakdown()
+    return (f"{i:>3}  {plan.num_cells:>3} {plan.num_replicas:>3} {plan.num_micro_batches:>4}  "
+            f"{plan.schedule:<5} {plan.remat:<11} {plan.examples_per_s:>12,.1f} "
+            f"{plan.step_time * 1e3:>9.3f}  {b.bubble:>6.1%} {b.load_imbalance:>6.1%} "
+            f"{b.recompute:>6.1%} {plan.all_reduce_time / plan.step_time:>6.1%}  "
+            f"{format_bytes(plan.peak_bytes):>10} {plan.peak_bytes / budget:>5.0%}")
+
+
+_HEADER = ("  #    K   R    T  sched remat        examples/s   step ms  bubble  imbal  recomp "
+           " allred    peak/dev  of budget")
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    lines = []
+    for m in plan.memory:
+        lines.append(
+            f"    device {m.cell}: {format_bytes(m.total):>10} = weights "
+            f"{format_bytes(m.weights)} + grads {format_bytes(m.gradients)} + optimizer "
+            f"{format_bytes(m.optimizer_slots)} + input {format_bytes(m.inputs)} + kept "
+            f"activations {format_bytes(m.kept_activations)} ({m.peak_in_flight} in flight) + "
+            f"working {format_bytes(m.working_activations)}")
+    return lines
+
+
+def format_report(result: PlanSearch, model: str, path: str, base_override: str = "",
+                  top: int = 5) -> str:
+    """The --mode=plan text."""
+    lines = [f"Plans for {model} ({path}) on {result.num_devices} device(s) with "
+             f"{format_bytes(result.budget)} each, {result.device_flops / 1e12:g} TFLOP/s "
+             f"per device: {len(result.fitting)} fit, {len(result.too_big)} do not.",
+             "Time: schedule simulator (forward = FLOPs / device FLOP/s + "
+             f"{ACTION_OVERHEAD_S * 1e6:g} us, backward = 2 x forward, recompute = 1 forward, "
+             f"links {DEFAULT_LINK_BYTES_PER_S / 1e9:g} GB/s); memory: "
+             "lingvo_lite/pipeline/memory_model.py.", ""]
+    if not result.fitting:
+        smallest = min(result.too_big, key=lambda x: x.peak_bytes, default=None)
+        lines.append("No plan fits." + (
+            f" The smallest needs {format_bytes(smallest.peak_bytes)} per device "
+            f"({smallest.label()}); raise --plan_memory_per_device or --plan_devices."
+            if smallest else ""))
+        return "\n".join(lines) + "\n"
+    lines += ["Top plans that fit, fastest first:", _HEADER]
+    shown = result.fitting[:top]
+    lines += [_row(i + 1, x, result.budget) for i, x in enumerate(shown)]
+    best = result.fitting[0]
+    lines += ["", f"Per-device memory of plan 1 ({best.label()}):", *_memory_lines(best)]
+    if len(result.fitting) > 1:
+        lines += ["", why_better(best, result.fitting[1])]
+    faster = [x for x in result.too_big if x.examples_per_s > best.examples_per_s]
+    if faster:
+        lines += ["", "Faster plans rejected for memory:", _HEADER]
+        lines += [_row(i + 1, x, result.budget) for i, x in enumerate(faster[:3])]
+        lines += [f"  The fastest of them needs {format_bytes(faster[0].peak_bytes)} on its "
+                  f"fullest device (budget {format_bytes(result.budget)}):",
+                  *_memory_lines(faster[0])]
+    lines += ["", "Run the chosen plan with:",
+              "  " + plan_flags(best, model, path, base_override)]
+    return "\n".join(lines) + "\n"
+
+
+def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, budget: int,
+              device_flops: float | None = None, base_override: str = "", top: int = 5) -> str:
+    """`trainer.py --mode=plan` for a task's (first) PipeliningLayer."""
+    from lingvo_lite.training import model_config
+
+    pipelines = list(model_config.iter_pipelining_params(task_params))
+    if not pipelines:
+        raise UsageError(f"--mode=plan: model {model} has no PipeliningLayer to plan.")
+    path, p = pipelines[0]
+    optimizer = task_params.train.optimizer if "train" in task_params else None
+    try:
+        result = search(p, num_devices, budget, device_flops or DEFAULT_DEVICE_FLOPS,
+                        memory_model.optimizer_slots(optimizer))
+    except ValueError as e:
+        raise UsageError(f"--mode=plan: {e}") from None
+    text = format_report(result, model, path, base_override, top)
+    if len(pipelines) > 1:
+        text += (f"(Planned the first PipeliningLayer, '{path}', of {len(pipelines)}.)\n")
+    return text

@@ -1,0 +1,108 @@
+"""trainer.py --mode=plan: sizes, user errors, the simulator at scale, and an end-to-end check
+that the chosen plan fits when run and the faster plan rejected for memory does not."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from lingvo_lite.pipeline import schedule, simulator
+from lingvo_lite.training import model_config, options, runner, sizes
+from tests import memory_model_test
+
+MODEL = "tests.plan_models.PlanMlp"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("16GiB", 16 * 2**30), ("512MiB", 512 * 2**20), ("8GB", 8 * 10**9), ("1.5KiB", 1536),
+    ("100", 100), ("2 mib", 2 * 2**20)])
+def test_parse_size(text, expected):
+    assert sizes.parse_size(text) == expected
+
+
+def _run(**kwargs) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = runner.main(options.RunOptions(model=MODEL, mode="plan", **kwargs), out, err)
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(plan_memory_per_device="1GiB"), "--plan_devices is required"),
+    (dict(plan_devices=2), "--plan_memory_per_device is required"),
+    (dict(plan_devices=2, plan_memory_per_device="lots"), "--plan_memory_per_device='lots' is "
+     "not a size; write e.g. 16GiB"),
+    (dict(plan_devices=0, plan_memory_per_device="1GiB"), "--plan_devices=0 must be an int"),
+    (dict(plan_devices=2, plan_memory_per_device="1GiB", plan_device_flops=-1.0),
+     "--plan_device_flops=-1.0 must be a number > 0"),
+])
+def test_bad_flags_give_one_line(kwargs, message):
+    status, out, err = _run(**kwargs)
+    assert status == 1 and out == ""
+    assert err.startswith("trainer.py: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_nothing_fits_says_what_to_change():
+    status, out, _ = _run(plan_devices=1, plan_memory_per_device="64KiB")
+    assert status == 0
+    assert "No plan fits. The smallest needs" in out and "raise --plan_memory_per_device" in out
+
+
+_CHOSEN = re.compile(r"--num_cells=(\d+) --num_replicas=(\d+) --num_micro_batches=(\d+) "
+                     r"--model_params_override=\"network.schedule : '(\w+)'; "
+                     r"network.remat : '(\w+)'\"")
+
+
+def _rejected(out: str) -> tuple[int, int, int, str, str]:
+    lines = out.split("Faster plans rejected for memory:\n", 1)[1].splitlines()
+    k, r, t, sched, remat = lines[1].split()[1:6]  # lines[0] is the header.
+    return int(k), int(r), int(t), sched, remat
+
+
+def test_chosen_plan_fits_when_run_and_rejected_plan_does_not():
+    budget = "2.5MiB"
+    status, out, _ = _run(plan_devices=2, plan_memory_per_device=budget)
+    assert status == 0, out
+    match = _CHOSEN.search(out)
+    assert match, out
+    chosen = (int(match[1]), int(match[2]), int(match[3]), match[4], match[5])
+    rejected = _rejected(out)
+    assert chosen != rejected
+    # The printed flags are what the trainer accepts, and they set the plan.
+    config = model_config.build_model_config(options.RunOptions(
+        model=MODEL, mode="inspect_model", num_cells=chosen[0], num_replicas=chosen[1],
+        num_micro_batches=chosen[2],
+        model_params_override=f"network.schedule : '{chosen[3]}'; network.remat : "
+                              f"'{chosen[4]}'"))
+    (_, p), = model_config.iter_pipelining_params(config.task_params)
+    assert (p.num_cells, p.num_replicas, p.num_micro_batches, p.schedule, p.remat) == chosen
+    configs = [":".join(map(str, c)) for c in (chosen, rejected)]
+    measured = memory_model_test._measure(MODEL, configs)
+    limit = sizes.parse_size(budget)
+    assert max(measured[0]) < limit, f"chosen {configs[0]} measured {measured[0]} B"
+    assert max(measured[1]) > limit, f"rejected {configs[1]} measured {measured[1]} B"
+
+
+def test_simulator_at_128_cells_and_512_micro_batches_is_linear(monkeypatch):
+    """K=128, T=512: the dependency checks stay O(K x (T + K)), and the step time is GPipe's
+    closed form (T + K - 1) x (forward + backward)."""
+    calls = 0
+    original = schedule.dependencies
+
+    def counting(action, num_cells):
+        nonlocal calls
+        calls += 1
+        return original(action, num_cells)
+
+    monkeypatch.setattr(schedule, "dependencies", counting)
+    k, t = 128, 512
+    for name in ("gpipe", "1f1b"):
+        calls = 0
+        step = simulator.simulate(schedule.make_schedule(name, k, t),
+                                  simulator.PhaseCosts.uniform(k, 1.0, 2.0), remat="never")
+        assert step.step_time == pytest.approx((t + k - 1) * 3.0)
+        # One check per (tick, cell) while the schedule is laid out, one per action when
+        # replayed: at most 2 (T + K) ticks x K cells + 2 K T actions.
+        assert calls <= 2 * (t + k) * k + 2 * k * t, (name, calls)
