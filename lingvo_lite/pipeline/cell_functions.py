@@ -316,7 +316,8 @@ class CellFunctions:
           dy: like the forward's output: the gradient arriving from the next cell (None
             leaves: no gradient, i.e. zeros).
           grad_sums: the running weight-gradient sums, one per trainable leaf of theta in
-            `theta.Flatten()` order (zeros before the first backward), on this device.
+            `theta.Flatten()` order, on this device; [] before the cell's first weight
+            gradient (a trace of its own), which then becomes the sums.
           example_offset, step_seed: as for `forward` (the re-computation draws the same
             dropout masks).
           need_dx: also return the gradient of every float leaf of x (cell 0 needs it only
@@ -367,7 +368,13 @@ class CellFunctions:
             dx_iter = iter(grads[:len(x_sources)])
             dx = ([next(dx_iter) if is_float(v) else None for v in flatten(x)]
                   if need_dx else [])
-            sums = add_gradients(grad_sums, grads[len(x_sources):]) if need_weight_grads else []
+            weight_grads = grads[len(x_sources):]
+            if not need_weight_grads:
+                sums = []
+            elif grad_sums:
+                sums = add_gradients(grad_sums, weight_grads)
+            else:  # The cell's first weight gradient: it is the sum so far.
+                sums = [tf.convert_to_tensor(g) for g in weight_grads]
         return dx + sums, len(dx)
 
     # -- gradient sums -----------------------------------------------------------------------

@@ -61,7 +61,7 @@ class StepState:
     outputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # Last cell's, by t.
     tapes: dict[Key, tuple[tf.GradientTape, Any]] = dataclasses.field(default_factory=dict)
     upstream: dict[Key, Any] = dataclasses.field(default_factory=dict)  # Gradient for B(k, t).
-    grad_sums: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell.
+    grad_sums: list[list[Any]] = dataclasses.field(default_factory=list)  # Per cell ([]: none yet).
     input_grads: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
     last_ops: list[list[Any]] = dataclasses.field(default_factory=list)  # Per device.
     zeros: dict[tuple[Any, ...], tf.Tensor] = dataclasses.field(default_factory=dict)
@@ -175,9 +175,9 @@ class Executor:
                           offsets=self._first_offsets(len(xs), micro_batch_size),
                           last_ops=[[] for _ in range(sched.num_devices)])
         sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
-        for k in range(self.num_cells):
-            with self._cell_scope(k), tf.name_scope(f"cell_{k}/zero_grad_sums"):
-                state.grad_sums.append([tf.zeros_like(v) for v in sources[k]])
+        # [] until a cell's first weight gradient, which becomes its sums as it is: starting
+        # from zeros would hold one more weight-sized buffer per weight all step.
+        state.grad_sums = [[] for _ in range(self.num_cells)]
         # One micro-batch has nothing to batch: the extra re-run would be pure cost.
         batched_weight_grads = batched_weight_grads and len(xs) > 1
         if batched_weight_grads and sched.splits_backward:
@@ -281,8 +281,9 @@ class Executor:
                 dx = [next(dx_iter) if is_float(v) else None for v in x.leaves] \
                     if need_dx else []
                 if not split:
-                    sums = self._cells[k].accumulate(state.grad_sums[k],
-                                                     grads[len(x_sources):])
+                    weight_grads = [tf.convert_to_tensor(g) for g in grads[len(x_sources):]]
+                    sums = (self._cells[k].accumulate(state.grad_sums[k], weight_grads)
+                            if state.grad_sums[k] else weight_grads)
                     dx = _after(dx, sums)
             elif split and not need_dx:
                 dx = []  # Cell 0's input gradient is not needed: W does all the work.

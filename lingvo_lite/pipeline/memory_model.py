@@ -15,7 +15,7 @@ is the sum of
   forward ran and whose backward has not (walked from `Schedule.cell_order`, so GPipe keeps T,
   1F1B at most K - k, and any new schedule its own), the received boundary copy of its input,
   plus all its saved activations when its backward does not recompute (the same decision as
-  `simulator.recomputed_actions`); plus the working set of the running action: one
+  `remat.recomputed_actions`); plus the working set of the running action: one
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
   back-propagating through layer j the activations of layers up to j plus j's gradient
@@ -49,8 +49,8 @@ from typing import Any
 
 from lingvo_lite import base_layer
 from lingvo_lite.pipeline import partition as partition_lib
+from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline import simulator
 from lingvo_lite.pipeline.schedule import Phase
 
 # Gradient temporaries while back-propagating through one layer (one micro-batch): at least
@@ -142,7 +142,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         raise ValueError(f"The schedule has {sched.num_cells} cells, the partition "
                          f"{part.num_cells}.")
     num_micro = sched.num_micro_batches
-    recomputed = simulator.recomputed_actions(sched, remat)
+    recomputed = remat_lib.recomputed_actions(sched, remat)
     out = []
     for k, (a, b) in enumerate(part.cell_layer_ranges):
         cell = list(layers[a:b])

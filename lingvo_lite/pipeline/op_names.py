@@ -110,13 +110,15 @@ def function_runs(sched: Schedule,
 
     The families each action calls:
       F(k, t): fprop.
-      B(k, t), whole backward: kept -> fprop_gradient then accumulate; else bprop.
+      B(k, t), whole backward: kept -> fprop_gradient, then accumulate unless it is the cell's
+        first weight gradient (which becomes the sums as it is); else bprop.
       B(k, t), input gradient of a split backward: kept -> fprop_gradient; else bprop (the
         re-computation stays in B); cell 0 computes none (its input needs no gradient).
       W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
     """
     runs: dict[tuple[int, str], list[int]] = {}
     for k in range(sched.num_cells):
+        has_sums = False  # A kept backward's gradients become the sums if there are none yet.
         for action in sched.cell_order(k):
             t = action.micro_batch
             if action.phase is Phase.FORWARD:
@@ -126,10 +128,13 @@ def function_runs(sched: Schedule,
             elif sched.splits_backward and k == 0:
                 families = []  # Cell 0's input gradient is not computed: W does the work.
             elif (k, t) in keep:
-                families = [FPROP_GRADIENT] if sched.splits_backward else [FPROP_GRADIENT,
-                                                                           ACCUMULATE]
+                families = ([FPROP_GRADIENT] if sched.splits_backward or not has_sums
+                            else [FPROP_GRADIENT, ACCUMULATE])
             else:
                 families = [BPROP]
+            if action.phase is not Phase.FORWARD and (
+                    action.phase is Phase.WEIGHT or not sched.splits_backward):
+                has_sums = True
             for family in families:
                 runs.setdefault((k, family), []).append(t)
     return runs
