@@ -143,8 +143,7 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
 
     @parameterized.product(
-        config=[("interleaved", 4, 2, 2), ("interleaved", 4, 2, 4), ("interleaved", 6, 3, 4),
-                ("interleaved", 6, 3, 8), ("zero_bubble", 2, 1, 1), ("zero_bubble", 3, 1, 4),
+        config=[("interleaved", 4, 2, 4), ("interleaved", 6, 3, 8), ("zero_bubble", 2, 1, 1),
                 ("zero_bubble", 4, 1, 8)],
         remat=["always", "except_last", "never"])
     def test_interleaved_and_zero_bubble_give_the_same_gradients(self, config, remat):
@@ -160,8 +159,7 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(ref_g, g, rtol=RTOL, atol=ATOL)
 
     @parameterized.product(
-        config=[("gpipe", 2, 1, 4), ("1f1b", 3, 1, 4), ("interleaved", 4, 2, 4),
-                ("gpipe", 4, 1, 8)],
+        config=[("1f1b", 3, 1, 4), ("interleaved", 4, 2, 4)],
         remat=["always", "except_last", "never"])
     def test_batched_weight_gradients_give_the_same_gradients(self, config, remat):
         name, num_cells, virtual_stages, num_micro_batches = config
