@@ -14,7 +14,6 @@ from lingvo_lite.pipeline import memory_model, partition, schedule
 from lingvo_lite.pipeline.memory_model import LayerMemory
 from lingvo_lite.training import planner
 
-
 # Four equal layers: 100 trainable weights (400 B), 800 output bytes, 1,600 saved bytes each.
 LAYER = LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800, saved_bytes=1600)
 
