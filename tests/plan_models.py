@@ -13,7 +13,11 @@ import tensorflow as tf
 from lingvo_lite import hyperparams, model_registry, optimizers
 from lingvo_lite.layers import dense, structural
 from lingvo_lite.nested_map import NestedMap
-from tests import testdata_models
+
+try:  # In the test process: the module the other tests import (one registration, one class).
+    import testdata_models
+except ImportError:  # From the repository root, e.g. --model=tests.plan_models.PlanMlp.
+    from tests import testdata_models
 
 BATCH_SIZE = 1024
 WIDTH = 64
