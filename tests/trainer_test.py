@@ -22,7 +22,7 @@ import testdata_models
 from subprocesses import stop_processes
 from tensorboard.backend.event_processing import event_accumulator
 
-from lingvo_lite import hyperparams
+from lingvo_lite import hyperparams, model_registry
 from lingvo_lite.pipeline import pipelining_layer
 from lingvo_lite.training import loop, model_config, options, runner
 
@@ -166,7 +166,7 @@ class TrainerTest(tf.test.TestCase):
         self.assertEqual(status, 0, err)
         task_text = out.split("# Input params of split 'dev'")[0]
         # The printed text is the FromText format: apply it to fresh params and compare.
-        expected = testdata_models.TinyMlp().Model()
+        expected = model_registry.get_class(MODEL)().Model()  # The class the trainer ran.
         expected.Set(**{"train.max_steps": 7, "train.learning_rate": 0.5, "input.batch_size": 8,
                         "network.num_micro_batches": 4, "random_seed": 9, "input.seed": 9})
         lines = {ln.split(" : ")[0]: ln for ln in task_text.splitlines() if " : " in ln}
@@ -247,7 +247,7 @@ class TrainerTest(tf.test.TestCase):
         acc = event_accumulator.EventAccumulator(os.path.join(self.frozen, "train"))
         acc.Reload()
         self.assertEqual(acc.SummaryMetadata("params").plugin_data.plugin_name, "text")
-        expected = testdata_models.TinyMlp().Model()
+        expected = model_registry.get_class(MODEL)().Model()
         expected.train.max_steps = 6
         with open(os.path.join(self.frozen, "params.txt")) as f:
             self.assertEqual(f.read(), expected.ToText())
