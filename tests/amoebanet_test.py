@@ -1,4 +1,4 @@
-"""Tests of the tasks/image/amoebanet package: cost model vs real layers, numerics, structure, sizes."""
+"""Tests of tasks/image/amoebanet/: cost model vs real layers, numerics, structure, sizes."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, fprop_context
-from lingvo_lite.layers import composite, dropout, losses, pooling
+from lingvo_lite.layers import dropout, losses, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
     InstantiableParams,
@@ -25,7 +25,6 @@ from tasks.image.amoebanet._common import (
     define_bn_params,
     dtype_of,
     inherit,
-    num_elements,
     wire_chain,
 )
 
@@ -137,6 +136,14 @@ class AuxHeadLayer(base_layer.BaseLayer):
                 input_dim=c2, num_classes=p.num_classes, label_smoothing=p.label_smoothing))),
         ])
 
+    @staticmethod
+    def _wire(wiring: TensorWiring | ShapeWiring, x: Any) -> Any:
+        """x -> the features the softmax reads, [B, 1, 1, 768 * s]; run by FProp on tensors
+        and by FPropMeta on shapes."""
+        h = wiring.child("pool", wiring.relu(x))
+        h = wiring.relu(wiring.child("bn0", wiring.child("proj", h)))
+        return wiring.relu(wiring.child("bn1", wiring.child("conv", h)))
+
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
         p = self.params
         inputs = boundary(self.path, inputs, "x", p.label_key)
@@ -145,9 +152,7 @@ class AuxHeadLayer(base_layer.BaseLayer):
         if list(x.shape[1:3]) != list(p.input_size):
             raise ValueError(f"{self.path}: x is {x.shape[1:3]} but p.input_size="
                              f"{p.input_size}; set input_size to the feature map size.")
-        h = self.pool.FProp(None, tf.nn.relu(x))
-        h = tf.nn.relu(self.bn0.FProp(theta.bn0, self.proj.FProp(theta.proj, h)))
-        h = tf.nn.relu(self.bn1.FProp(theta.bn1, self.conv.FProp(theta.conv, h)))
+        h = self._wire(TensorWiring(self, theta), x)
         h = tf.reshape(h, [-1, h.shape[-1]])
         labels = inputs[p.label_key]
         result = self.softmax.FProp(theta.softmax, h, labels)
@@ -162,21 +167,18 @@ class AuxHeadLayer(base_layer.BaseLayer):
         shapes = boundary(where, base_layer.to_shape(inputs), "x", p.label_key)
         x = tf.TensorShape(shapes.x)
         check_nhwc(where, x, p.input_dim, "input_dim")
-        children = cls.declare_children(p)
-        metas = composite.chain_meta(
-            [children[k] for k in ("pool", "proj", "bn0", "conv", "bn1")], x)
-        relu_flops = (num_elements(x) + num_elements(metas[2].out_shapes[0])
-                      + num_elements(metas[4].out_shapes[0]))
+        wiring = ShapeWiring(cls, p)
+        features = cls._wire(wiring, x)
         batch = x[0]
-        soft = children["softmax"]
-        soft_meta = soft.cls.FPropMeta(soft, tf.TensorShape([batch, soft.input_dim]))
-        flops = sum(m.flops for m in metas) + soft_meta.flops + relu_flops
-        num_params = sum(m.num_params for m in metas) + soft_meta.num_params
+        soft = cls.declare_children(p)["softmax"]
+        soft_meta = soft.cls.FPropMeta(soft, features[:1].concatenate(features[-1:]))
+        flops = wiring.flops + soft_meta.flops
+        num_params = wiring.num_params + soft_meta.num_params
         out = shapes.copy()
         out.aux_xent = tf.TensorShape([batch])
         out.aux_correct = tf.TensorShape([batch])
         # The whole head only serves training (evaluation drops it).
-        non_trainable = base_layer.extra_param_counts(metas)["non_trainable_params"]
+        non_trainable = wiring.extra_param_counts()["non_trainable_params"]
         return base_layer.fprop_meta(flops, out, num_params, dtype_of(p),
                                      non_trainable_params=non_trainable,
                                      training_only_params=num_params - non_trainable)
@@ -222,12 +224,18 @@ class HeadLayer(base_layer.BaseLayer):
         """The boundary fields the head reads."""
         return ("x", p.label_key) + (("aux_xent", "aux_correct") if p.aux_weight > 0 else ())
 
+    @staticmethod
+    def _wire(wiring: TensorWiring | ShapeWiring, x: Any) -> Any:
+        """x -> the pooled features the softmax reads, [B, C]; run by FProp on tensors and
+        by FPropMeta on shapes."""
+        return wiring.child("dropout", wiring.child("pool", wiring.relu(x)))
+
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
         p = self.params
         inputs = boundary(self.path, inputs, *self._keys(p))
         x = tf.cast(inputs.x, self.fprop_dtype)
         check_nhwc(self.path, x.shape, p.input_dim, "input_dim")
-        h = self.dropout.FProp(None, self.pool.FProp(None, tf.nn.relu(x)))
+        h = self._wire(TensorWiring(self, theta), x)
         labels = inputs[p.label_key]
         result = self.softmax.FProp(theta.softmax, h, labels)
         out = NestedMap(
@@ -251,13 +259,13 @@ class HeadLayer(base_layer.BaseLayer):
         shapes = boundary(where, base_layer.to_shape(inputs), *cls._keys(p))
         x = tf.TensorShape(shapes.x)
         check_nhwc(where, x, p.input_dim, "input_dim")
-        children = cls.declare_children(p)
-        metas = composite.chain_meta([children["pool"], children["dropout"]], x)
-        soft = children["softmax"]
-        soft_meta = soft.cls.FPropMeta(soft, metas[-1].out_shapes[0])
+        wiring = ShapeWiring(cls, p)
+        features = cls._wire(wiring, x)
+        soft = cls.declare_children(p)["softmax"]
+        soft_meta = soft.cls.FPropMeta(soft, features)
         batch = x[0]
-        flops = (num_elements(x) + sum(m.flops for m in metas) + soft_meta.flops
-                 + 5 * batch * p.num_classes)  # ReLU, pool, dropout, softmax, top-5 compares.
+        # ReLU, pool and dropout, the softmax, and the top-5 compares.
+        flops = wiring.flops + soft_meta.flops + 5 * batch * p.num_classes
         scalar = tf.TensorShape([])
         out = NestedMap(
             logits=tf.TensorShape([batch, p.num_classes]),
