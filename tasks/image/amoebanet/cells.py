@@ -18,8 +18,6 @@ from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
     InstantiableParams,
     Params,
-    ShapeWiring,
-    TensorWiring,
     bn_settings,
     boundary,
     check_nhwc,
@@ -27,6 +25,7 @@ from tasks.image.amoebanet._common import (
     dtype_of,
     inherit,
 )
+from tasks.image.amoebanet._wiring import ShapeWiring, TensorWiring
 from tasks.image.amoebanet.operations import AmoebaOpLayer, FactorizedReductionLayer
 
 __all__ = ["CELL_SAVED_FRACTION", "CELL_SPECS", "AmoebaNetCell", "CellSpec",

@@ -16,8 +16,6 @@ from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
     InstantiableParams,
     Params,
-    ShapeWiring,
-    TensorWiring,
     bn_step,
     boundary,
     check_nhwc,
@@ -25,8 +23,8 @@ from tasks.image.amoebanet._common import (
     define_bn_params,
     dtype_of,
     inherit,
-    wire_chain,
 )
+from tasks.image.amoebanet._wiring import ShapeWiring, TensorWiring
 
 __all__ = ["STEM_TYPES", "AuxHeadLayer", "HeadLayer", "StemLayer"]
 
@@ -53,7 +51,6 @@ class StemLayer(base_layer.BaseLayer):
 
     @classmethod
     def declare_children(cls, p: Params) -> dict[str, InstantiableParams]:
-        """'conv0' then 'conv0_bn', applied in that order."""
         if p.stem_type not in STEM_TYPES:
             raise ValueError(f"{p.name or cls.__name__}: p.stem_type must be one of "
                              f"{STEM_TYPES}, got {p.stem_type!r}.")
@@ -62,13 +59,17 @@ class StemLayer(base_layer.BaseLayer):
             conv_step(p, "conv0", (3, 3), p.input_dim, p.filters, (s, s), padding="VALID"),
             bn_step(p, "conv0_bn", p.filters)])
 
+    @staticmethod
+    def _wire(wiring: TensorWiring | ShapeWiring, image: Any) -> Any:
+        """The stem on the image; run by FProp on tensors and by FPropMeta on shapes."""
+        return wiring.child("conv0_bn", wiring.child("conv0", image))
+
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
         key = self.params.image_key
         inputs = boundary(self.path, inputs, key)
         out = inputs.copy()
         del out[key]
-        out.x = wire_chain(TensorWiring(self, theta), list(self.children.items()),
-                           tf.cast(inputs[key], self.fprop_dtype))
+        out.x = self._wire(TensorWiring(self, theta), tf.cast(inputs[key], self.fprop_dtype))
         return out
 
     @classmethod
@@ -77,8 +78,7 @@ class StemLayer(base_layer.BaseLayer):
         wiring = ShapeWiring(cls, p)
         out = shapes.copy()
         del out[p.image_key]
-        out.x = wire_chain(wiring, list(cls.declare_children(p).items()),
-                           tf.TensorShape(shapes[p.image_key]))
+        out.x = cls._wire(wiring, tf.TensorShape(shapes[p.image_key]))
         return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
                                      saved_activation_bytes=wiring.saved_bytes)

@@ -17,18 +17,20 @@ from lingvo_lite import base_layer
 from lingvo_lite.layers import conv, dropout, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
-    RELU,
     InstantiableParams,
     Params,
-    ShapeWiring,
-    TensorWiring,
     bn_step,
-    chain_children,
     check_nhwc,
     conv_step,
     define_bn_params,
     dtype_of,
     inherit,
+)
+from tasks.image.amoebanet._wiring import (
+    RELU,
+    ShapeWiring,
+    TensorWiring,
+    chain_children,
     wire_chain,
 )
 
