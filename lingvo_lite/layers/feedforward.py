@@ -75,8 +75,8 @@ class FeedForwardLayer(base_layer.BaseLayer):
         normalization.check_input_shape(f"{type(self).__name__} '{self.path}'", inputs.shape, 2,
                                         p.input_dim, "input_dim")
         x = tf.cast(inputs, self.fprop_dtype)
-        names = list(self.children)
-        h = composite.chain_fprop([self.children[n] for n in names], [theta[n] for n in names], x)
+        h = composite.chain_fprop(list(self.children.values()),
+                                  [theta[name] for name in self.children], x)
         if p.add_residual:
             h += x
         return h
