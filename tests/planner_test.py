@@ -1,24 +1,18 @@
-"""trainer.py --mode=plan: sizes, user errors, the simulator at scale.
-
-The end-to-end check (the chosen plan fits when run, the faster plan rejected for memory does
-not) measured per-device peaks with bench/device_memory.py; on the executor rewritten for issue
-14 the plan chosen for 2.5 MiB per device measured 2.64 MB, so it waits for the memory model to
-be refitted (issue 16 stays open).
-"""
+"""trainer.py --mode=plan: sizes, user errors, the simulator at scale, and an end-to-end check
+that the chosen plan fits when run and the faster plan rejected for memory does not."""
 
 from __future__ import annotations
 
 import io
-import os
 import re
 
+import memory_model_test
 import pytest
 
 from lingvo_lite.pipeline import schedule, simulator
-from lingvo_lite.training import options, runner, sizes
+from lingvo_lite.training import model_config, options, runner, sizes
 
 MODEL = "tests.plan_models.PlanMlp"
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -65,6 +59,31 @@ def _rejected(out: str) -> tuple[int, int, int, str, str]:
     lines = out.split("Faster plans rejected for memory:\n", 1)[1].splitlines()
     k, r, t, sched, remat = lines[1].split()[1:6]  # lines[0] is the header.
     return int(k), int(r), int(t), sched, remat
+
+
+@pytest.mark.slow
+def test_chosen_plan_fits_when_run_and_rejected_plan_does_not():
+    budget = "2.5MiB"
+    status, out, _ = _run(plan_devices=2, plan_memory_per_device=budget)
+    assert status == 0, out
+    match = _CHOSEN.search(out)
+    assert match, out
+    chosen = (int(match[1]), int(match[2]), int(match[3]), match[4], match[5])
+    rejected = _rejected(out)
+    assert chosen != rejected
+    # The printed flags are what the trainer accepts, and they set the plan.
+    config = model_config.build_model_config(options.RunOptions(
+        model=MODEL, mode="inspect_model", num_cells=chosen[0], num_replicas=chosen[1],
+        num_micro_batches=chosen[2],
+        model_params_override=f"network.schedule : '{chosen[3]}'; network.remat : "
+                              f"'{chosen[4]}'"))
+    (_, p), = model_config.iter_pipelining_params(config.task_params)
+    assert (p.num_cells, p.num_replicas, p.num_micro_batches, p.schedule, p.remat) == chosen
+    configs = [":".join(map(str, c)) for c in (chosen, rejected)]
+    measured = memory_model_test.measure(MODEL, configs)
+    limit = sizes.parse_size(budget)
+    assert max(measured[0]) < limit, f"chosen {configs[0]} measured {measured[0]} B"
+    assert max(measured[1]) > limit, f"rejected {configs[1]} measured {measured[1]} B"
 
 
 def test_simulator_at_128_cells_and_512_micro_batches_is_linear(monkeypatch):
