@@ -29,7 +29,7 @@ from lingvo_lite.pipeline import (
     schedule,
     timeline,
 )
-from lingvo_lite.training import options, profiling, runner
+from lingvo_lite.training import options, runner
 
 # Large enough that op time, not per-op overhead or OS jitter, decides the busy times: at
 # 128 x 192 a balanced split sometimes showed an imbalance share of 0.19.
@@ -235,6 +235,6 @@ class TrainerProfileTest(tf.test.TestCase):
     def test_bad_profile_steps_name_the_flag(self):
         for value in ("a,b", "3,2", "0,1", "1,2,3"):
             with self.assertRaisesRegex(options.UsageError, "--profile_steps"):
-                profiling.parse_profile_steps(value)
-        self.assertEqual((5, 5), profiling.parse_profile_steps("5"))
-        self.assertIsNone(profiling.parse_profile_steps(""))
+                options.parse_profile_steps(value)
+        self.assertEqual((5, 5), options.parse_profile_steps("5"))
+        self.assertIsNone(options.parse_profile_steps(""))

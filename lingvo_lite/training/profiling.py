@@ -29,8 +29,6 @@ import os
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from lingvo_lite.training import options as options_lib
-
 PROFILE_SUBDIR = "train"
 
 
@@ -60,26 +58,6 @@ class PipelineDescription:
                        schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost,
                        virtual_stages=pp.virtual_stages, serial_devices=pp.serial_devices)
         return cls(model=model)
-
-
-def parse_profile_steps(value: str | None) -> tuple[int, int] | None:
-    """'N,M' (or 'N') -> (N, M); '' or None -> None. UsageError names --profile_steps."""
-    if value is None or not str(value).strip():
-        return None
-    parts = [p.strip() for p in str(value).split(",")]
-    try:
-        steps = [int(p) for p in parts]
-    except ValueError:
-        raise options_lib.UsageError(
-            f"--profile_steps={value!r} is not 'N,M'; pass the first and last global step to "
-            "profile, e.g. --profile_steps=5,7.") from None
-    if len(steps) == 1:
-        steps = steps * 2
-    if len(steps) != 2 or steps[0] < 1 or steps[1] < steps[0]:
-        raise options_lib.UsageError(
-            f"--profile_steps={value!r} must be 'N,M' with 1 <= N <= M (global steps, "
-            "inclusive), e.g. --profile_steps=5,7.")
-    return steps[0], steps[1]
 
 
 class StepProfiler:

@@ -26,7 +26,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from lingvo_lite.training import interrupts, model_config
-from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
+from lingvo_lite.training.options import (
+    TRAIN_MODES,
+    RunOptions,
+    TrainingError,
+    UsageError,
+    parse_profile_steps,
+)
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -472,7 +478,7 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
     if options.profile_steps:
         from lingvo_lite.training import profiling
 
-        first, last = profiling.parse_profile_steps(options.profile_steps)
+        first, last = parse_profile_steps(options.profile_steps)
         start = trainer.global_step + 1
         if first < start or last > max_steps:
             what = ("none of them" if last < start or first > max_steps else
