@@ -73,8 +73,3 @@ def _set_threads(intra_op_threads: int | None, inter_op_threads: int | None) -> 
                 "Thread pools can only be sized before TensorFlow starts; "
                 f"requested {value}, runtime has {getter()}."
             ) from e
-
-
-def logical_device_names(device_type: str = "CPU") -> list[str]:
-    """Names of the logical devices of `device_type` ('CPU', 'GPU', 'TPU')."""
-    return [d.name for d in tf.config.list_logical_devices(device_type)]

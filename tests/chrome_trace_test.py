@@ -7,6 +7,8 @@ import os
 import tempfile
 import unittest
 
+from trace_readers import boxes_from_trace
+
 from lingvo_lite.pipeline import chrome_trace, ideal_timeline, schedule, timeline
 
 ORIGIN = 1_732_000_000_123_456_789  # A profiler clock reading: ns since the epoch.
@@ -52,7 +54,7 @@ class ChromeTraceTest(unittest.TestCase):
             trace = json.load(f)
         check_trace_event_format(self, trace)
         self.assertEqual(sorted(BOXES, key=lambda b: (b.cell, b.start_ns)),
-                         chrome_trace.boxes_from_trace(trace))
+                         boxes_from_trace(trace))
 
     def test_one_named_track_per_device_and_box_names(self):
         trace = chrome_trace.trace_events(BOXES, step=7)
@@ -94,7 +96,7 @@ class ChromeTraceTest(unittest.TestCase):
                  if e["ph"] == "M" and e["name"] == "thread_name"}
         self.assertEqual(["device 0", "device 0 (overlapping 1)"], sorted(names.values()))
         self.assertEqual(sorted(boxes, key=lambda b: b.start_ns),
-                         chrome_trace.boxes_from_trace(trace))
+                         boxes_from_trace(trace))
 
     def test_prediction_is_a_second_process_that_round_trips(self):
         predicted = ideal_timeline.predict_from_measured(
@@ -103,7 +105,7 @@ class ChromeTraceTest(unittest.TestCase):
         check_trace_event_format(self, trace)
         pids = {e["pid"] for e in trace["traceEvents"]}
         self.assertEqual({chrome_trace.MEASURED_PID, chrome_trace.PREDICTED_PID}, pids)
-        self.assertEqual(predicted, chrome_trace.boxes_from_trace(
+        self.assertEqual(predicted, boxes_from_trace(
             json.loads(json.dumps(trace)), pid=chrome_trace.PREDICTED_PID))
 
 

@@ -18,13 +18,13 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 from tensorboard.backend.event_processing import event_accumulator
+from trace_readers import boxes_from_trace, cell_orders
 
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import dense, losses, structural
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     breakdown_advice,
-    chrome_trace,
     pipelining_layer,
     schedule,
     timeline,
@@ -95,7 +95,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         # executor_test.ScheduleOrderTest); the boxes' start times must then agree with it.
         boxes = timeline.boxes_from_events(steps[0], sched, "except_last")
         want = schedule.make_schedule(sched, 2, num_micro)
-        orders = timeline.cell_orders(boxes)
+        orders = cell_orders(boxes)
         for k in range(2):
             expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)
                         # A split backward's B on cell 0 computes nothing (no input gradient).
@@ -214,7 +214,7 @@ class TrainerProfileTest(tf.test.TestCase):
         self.assertIn("| load imbalance |", text)
         self.assertIn("testdata_models.TinyMlp", text)
         with open(os.path.join(train_dir, "pipeline_trace_3.json")) as f:
-            boxes = chrome_trace.boxes_from_trace(json.load(f))
+            boxes = boxes_from_trace(json.load(f))
         self.assertEqual({0, 1}, {b.cell for b in boxes})
         self.assertIn("Pipeline profile of step 3: bubble ", out.getvalue())
 

@@ -41,6 +41,11 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
+def theoretical_bubble(num_cells: int, num_micro_batches: int) -> float:
+    """GPipe's idle fraction of a balanced fill-drain pipeline: (K-1)/(T+K-1)."""
+    return (num_cells - 1) / (num_micro_batches + num_cells - 1)
+
+
 def busiest_and_idlest(breakdown: timeline.Breakdown) -> tuple[int, int]:
     """(most busy device, least busy device)."""
     busy = breakdown.device_busy
@@ -74,13 +79,13 @@ def _bubble_advice(b: timeline.Breakdown, config: PipelineConfig) -> list[str]:
     if K > 1 and b.bubble >= BUBBLE_SHARE and T < MICRO_BATCHES_PER_CELL * K:
         more = MICRO_BATCHES_PER_CELL * K
         out.append(f"bubble {_pct(b.bubble)}: at T={T} GPipe's bound (K-1)/(T+K-1) is "
-                   f"{_pct(timeline.theoretical_bubble(K, T))} of the pipelined time; "
+                   f"{_pct(theoretical_bubble(K, T))} of the pipelined time; "
                    f"num_micro_batches={more} would bring it to "
-                   f"{_pct(timeline.theoretical_bubble(K, more))}")
+                   f"{_pct(theoretical_bubble(K, more))}")
     pipelined = 1.0 - b.setup - b.weight_update
     if K > 1 and pipelined > 0:
         busiest_idle = b.bubble / pipelined
-        expected = timeline.theoretical_bubble(K, T)
+        expected = theoretical_bubble(K, T)
         if busiest_idle - expected >= UNEXPLAINED_IDLE:
             out.append(f"the busiest device idles {_pct(busiest_idle)} of the pipelined time, "
                        f"{_pct(expected)} of which the schedule explains: the rest is waiting on "
@@ -140,5 +145,5 @@ def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str =
         lines.append(f"| {d} | {100 * busy:.1f}% | {100 * idle:.1f}% |")
     K, T = config.num_cells, config.num_micro_batches
     lines += ["", f"GPipe's bubble bound (K-1)/(T+K-1) at K={K}, T={T}: "
-              f"{100 * timeline.theoretical_bubble(K, T):.1f}% of the pipelined time."]
+              f"{100 * theoretical_bubble(K, T):.1f}% of the pipelined time."]
     return "\n".join(lines)

@@ -101,24 +101,3 @@ def write_trace(path: str, measured: Sequence[timeline.Box], step: int,
     with open(path, "w") as f:
         json.dump(trace_events(measured, step, predicted, title), f)
     return path
-
-
-def boxes_from_trace(trace: dict, pid: int = MEASURED_PID) -> list[timeline.Box]:
-    """The boxes of process `pid` of a trace written by `trace_events`, in profiler ns."""
-    origin_ns = int(trace["otherData"]["origin_ns"]) if pid == MEASURED_PID else 0
-
-    def ns(t_us: float) -> int:
-        return origin_ns + round(t_us * 1000.0)
-
-    boxes = []
-    for e in trace["traceEvents"]:
-        if e.get("ph") != "X" or e.get("pid") != pid:
-            continue
-        args = e["args"]
-        start = ns(e["ts"])
-        boxes.append(timeline.Box(
-            cell=int(args["cell"]), phase=args["phase"], micro_batch=int(args["micro_batch"]),
-            start_ns=start, end_ns=start + round(e["dur"] * 1000.0),
-            busy_ns=round(args["busy_us"] * 1000.0), num_ops=int(args["ops"]),
-            segments=tuple((ns(s), ns(t)) for s, t in args["busy_runs_us"])))
-    return sorted(boxes, key=lambda b: (b.cell, b.start_ns, timeline.PHASES.index(b.phase)))

@@ -268,12 +268,3 @@ def render_rgb(fig: Figure) -> np.ndarray:
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def render_png(fig: Figure) -> bytes:
-    """The figure as PNG bytes."""
-    import io
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()
