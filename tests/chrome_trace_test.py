@@ -9,19 +9,19 @@ import unittest
 
 from trace_readers import boxes_from_trace
 
-from lingvo_lite.pipeline import chrome_trace, ideal_timeline, schedule, timeline
+from lingvo_lite.pipeline import chrome_trace, ideal_timeline, schedule, trace_analysis
 
 ORIGIN = 1_732_000_000_123_456_789  # A profiler clock reading: ns since the epoch.
 BOXES = [
-    timeline.Box(0, "F", 0, ORIGIN, ORIGIN + 1_500, 1_200, 4,
+    trace_analysis.Box(0, "F", 0, ORIGIN, ORIGIN + 1_500, 1_200, 4,
                  ((ORIGIN, ORIGIN + 700), (ORIGIN + 1_000, ORIGIN + 1_500))),
-    timeline.Box(1, "F", 0, ORIGIN + 1_600, ORIGIN + 2_601, 1_001, 2,
+    trace_analysis.Box(1, "F", 0, ORIGIN + 1_600, ORIGIN + 2_601, 1_001, 2,
                  ((ORIGIN + 1_600, ORIGIN + 2_601),)),
-    timeline.Box(1, "B", 0, ORIGIN + 2_700, ORIGIN + 4_000, 1_300, 7,
+    trace_analysis.Box(1, "B", 0, ORIGIN + 2_700, ORIGIN + 4_000, 1_300, 7,
                  ((ORIGIN + 2_700, ORIGIN + 4_000),)),
-    timeline.Box(0, "R", 0, ORIGIN + 4_100, ORIGIN + 4_600, 500, 3,
+    trace_analysis.Box(0, "R", 0, ORIGIN + 4_100, ORIGIN + 4_600, 500, 3,
                  ((ORIGIN + 4_100, ORIGIN + 4_600),)),
-    timeline.Box(0, "B", 0, ORIGIN + 4_600, ORIGIN + 6_000, 1_400, 9,
+    trace_analysis.Box(0, "B", 0, ORIGIN + 4_600, ORIGIN + 6_000, 1_400, 9,
                  ((ORIGIN + 4_600, ORIGIN + 6_000),)),
 ]
 
@@ -77,7 +77,7 @@ class ChromeTraceTest(unittest.TestCase):
         us = 1000
 
         def box(phase, mb, start, end):
-            return timeline.Box(0, phase, mb, start * us, end * us, (end - start) * us, 1,
+            return trace_analysis.Box(0, phase, mb, start * us, end * us, (end - start) * us, 1,
                                 ((start * us, end * us),))
 
         boxes = [box("F", 1, 0, 10), box("B", 0, 5, 20), box("R", 1, 20, 25)]

@@ -27,7 +27,7 @@ from lingvo_lite.pipeline import (
     breakdown_advice,
     pipelining_layer,
     schedule,
-    timeline,
+    trace_analysis,
 )
 from lingvo_lite.training import options, runner
 
@@ -75,13 +75,13 @@ def _profile_pipeline(num_micro_batches: int, split_points=None, sched: str = "g
     logdir = tempfile.mkdtemp()
     tf.profiler.experimental.start(logdir)
     for i in range(num_steps):
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
+        with tf.profiler.experimental.Trace(trace_analysis.STEP_TRACE_NAME, step_num=i, _r=1):
             step(batch)[0].numpy()
     tf.profiler.experimental.stop()
-    spaces = timeline.load_xspaces(logdir)
-    events = timeline.op_events(spaces)
-    windows = timeline.step_windows(spaces)
-    return [timeline.events_in(events, start, end) for _, start, end in windows]
+    spaces = trace_analysis.load_xspaces(logdir)
+    events = trace_analysis.op_events(spaces)
+    windows = trace_analysis.step_windows(spaces)
+    return [trace_analysis.events_in(events, start, end) for _, start, end in windows]
 
 
 class TraceTest(tf.test.TestCase, parameterized.TestCase):
@@ -93,7 +93,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         # Ops inside the cells' functions are mapped to micro-batches by the schedule's call
         # order (that the executor really runs that order is checked on the graph, in
         # executor_test.ScheduleOrderTest); the boxes' start times must then agree with it.
-        boxes = timeline.boxes_from_events(steps[0], sched, "except_last")
+        boxes = trace_analysis.boxes_from_events(steps[0], sched, "except_last")
         want = schedule.make_schedule(sched, 2, num_micro)
         orders = cell_orders(boxes)
         for k in range(2):
@@ -110,7 +110,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
                 if phase == "F" and (i + 1 == len(order) or order[i + 1] != ("B", t)) \
                         and not (want.splits_backward and k == 0):
                     want_recomputed.add((k, t))
-        recomputed = {(b.cell, b.micro_batch) for b in boxes if b.phase == timeline.RECOMPUTE}
+        recomputed = {(b.cell, b.micro_batch) for b in boxes if b.phase == trace_analysis.RECOMPUTE}
         self.assertEqual(want_recomputed, recomputed)
         for b in boxes:
             self.assertLessEqual(b.busy_ns, b.end_ns - b.start_ns)
@@ -123,7 +123,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         skewed = _profile_pipeline(4, split_points=[NUM_LAYERS - 1], num_steps=5)
         share = {}
         for name, steps in (("balanced", balanced), ("skewed", skewed)):
-            parts = [timeline.compute_breakdown(evs, 2) for evs in steps]
+            parts = [trace_analysis.compute_breakdown(evs, 2) for evs in steps]
             share[name] = float(np.median([b.load_imbalance for b in parts]))
             for b in parts:
                 total = (b.setup + b.compute + b.recompute + b.load_imbalance + b.bubble
@@ -131,7 +131,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertAllClose(1.0, total, atol=1e-9)
         # Cell 0 does 7 of 8 layers (and recomputes them): most of cell 1's time is idle.
         self.assertGreater(share["skewed"], share["balanced"] + 0.1, msg=str(share))
-        parts = sorted((timeline.compute_breakdown(evs, 2) for evs in skewed),
+        parts = sorted((trace_analysis.compute_breakdown(evs, 2) for evs in skewed),
                        key=lambda b: b.load_imbalance)
         median = parts[len(parts) // 2]
         tip = breakdown_advice.advice(median, breakdown_advice.PipelineConfig(2, 4))[0]
@@ -141,7 +141,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
 class BreakdownArithmeticTest(tf.test.TestCase):
 
     def test_hand_computed_breakdown(self):
-        ev = timeline.OpEvent
+        ev = trace_analysis.OpEvent
         events = [
             ev("split", "Split", 0, 10),
             ev("cell_0/fprop_mb_0/MatMul", "MatMul", 10, 50),
@@ -151,7 +151,7 @@ class BreakdownArithmeticTest(tf.test.TestCase):
             ev("gradient_tape/cell_0/bprop_mb_0/recompute/MatMul", "MatMul", 110, 150),
             ev("AssignSubVariableOp", "AssignSubVariableOp", 150, 160),
         ]
-        b = timeline.compute_breakdown(events, 2)
+        b = trace_analysis.compute_breakdown(events, 2)
         # Step 160; pipelined phase 10..150 (140); busy: cell 0 = 40 + 20 + 40, cell 1 = 40.
         self.assertEqual(160, b.step_ns)
         self.assertAllClose(10 / 160, b.setup)
@@ -175,11 +175,12 @@ class BreakdownArithmeticTest(tf.test.TestCase):
             "recompute/cell": None,
         }
         for name, want in cases.items():
-            self.assertEqual(want, timeline.classify_op(name), msg=name)
+            self.assertEqual(want, trace_analysis.classify_op(name), msg=name)
 
     def test_union(self):
-        self.assertEqual(7, timeline.union_ns([(0, 3), (2, 5), (8, 10)]))
-        self.assertEqual([(0, 5), (8, 10)], timeline.merge_intervals([(8, 10), (2, 5), (0, 3)]))
+        self.assertEqual(7, trace_analysis.union_ns([(0, 3), (2, 5), (8, 10)]))
+        self.assertEqual([(0, 5), (8, 10)],
+                         trace_analysis.merge_intervals([(8, 10), (2, 5), (0, 3)]))
 
 
 class TrainerProfileTest(tf.test.TestCase):
@@ -194,7 +195,7 @@ class TrainerProfileTest(tf.test.TestCase):
             profile_steps="2,3"), out=out, err=err)
         self.assertEqual(0, status, msg=err.getvalue())
         train_dir = os.path.join(logdir, "train")
-        self.assertTrue(timeline.find_xplane_files(train_dir))  # TensorBoard's profile tab.
+        self.assertTrue(trace_analysis.find_xplane_files(train_dir))  # TensorBoard's profile tab.
         acc = event_accumulator.EventAccumulator(
             train_dir, size_guidance={event_accumulator.TENSORS: 0})
         acc.Reload()

@@ -1,7 +1,7 @@
 """The Figure 4 breakdown in words: a markdown table and suggestions drawn from its numbers.
 
-`advice` looks at one step's `timeline.Breakdown` and says what to change when a share is large
-enough to matter. Each rule states its threshold below; a balanced pipeline with enough
+`advice` looks at one step's `trace_analysis.Breakdown` and says what to change when a share is
+large enough to matter. Each rule states its threshold below; a balanced pipeline with enough
 micro-batches gets no suggestion.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline import trace_analysis
 
 # Load imbalance worth acting on: this share of the step, and the busiest device at least this
 # many times busier than the least busy one.
@@ -46,14 +46,14 @@ def theoretical_bubble(num_cells: int, num_micro_batches: int) -> float:
     return (num_cells - 1) / (num_micro_batches + num_cells - 1)
 
 
-def busiest_and_idlest(breakdown: timeline.Breakdown) -> tuple[int, int]:
+def busiest_and_idlest(breakdown: trace_analysis.Breakdown) -> tuple[int, int]:
     """(most busy device, least busy device)."""
     busy = breakdown.device_busy
     return (max(range(len(busy)), key=busy.__getitem__),
             min(range(len(busy)), key=busy.__getitem__))
 
 
-def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | None:
+def _imbalance_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> str | None:
     hi, lo = busiest_and_idlest(b)
     busy_hi, busy_lo = b.device_busy[hi], b.device_busy[lo]
     ratio = busy_hi / busy_lo if busy_lo > 0 else float("inf")
@@ -73,7 +73,7 @@ def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | No
             f"device {lo}; {fix}")
 
 
-def _bubble_advice(b: timeline.Breakdown, config: PipelineConfig) -> list[str]:
+def _bubble_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> list[str]:
     out = []
     K, T = config.num_cells, config.num_micro_batches
     if K > 1 and b.bubble >= BUBBLE_SHARE and T < MICRO_BATCHES_PER_CELL * K:
@@ -93,7 +93,7 @@ def _bubble_advice(b: timeline.Breakdown, config: PipelineConfig) -> list[str]:
     return out
 
 
-def advice(breakdown: timeline.Breakdown, config: PipelineConfig) -> list[str]:
+def advice(breakdown: trace_analysis.Breakdown, config: PipelineConfig) -> list[str]:
     """Suggestions for one step's breakdown, most important first; [] when nothing stands out."""
     out = []
     imbalance = _imbalance_advice(breakdown, config)
@@ -111,7 +111,7 @@ def advice(breakdown: timeline.Breakdown, config: PipelineConfig) -> list[str]:
     return out
 
 
-def summary_line(breakdown: timeline.Breakdown, config: PipelineConfig) -> str:
+def summary_line(breakdown: trace_analysis.Breakdown, config: PipelineConfig) -> str:
     """'bubble 13%, load imbalance 18%: <first suggestion>' (the trainer prints it)."""
     head = f"bubble {_pct(breakdown.bubble)}, load imbalance {_pct(breakdown.load_imbalance)}"
     tips = advice(breakdown, config)
@@ -125,7 +125,7 @@ def summary_line(breakdown: timeline.Breakdown, config: PipelineConfig) -> str:
     return f"{head}: {first}"
 
 
-def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str = "") -> str:
+def markdown(breakdown: trace_analysis.Breakdown, config: PipelineConfig, title: str = "") -> str:
     """Suggestions, then the breakdown as markdown tables (TensorBoard's Text tab renders them)."""
     step_ms = breakdown.step_ns / 1e6
     lines = [f"**{title}**", ""] if title else []

@@ -17,7 +17,7 @@ once per micro-batch. Two kinds of names come out of that:
 
 With data-parallel replicas every name above is preceded by `replica_{r}/`. `parse` maps any of
 these to a `ParsedName`; a function-body op's micro-batch comes from the order in which its
-function ran (`timeline.assign_micro_batches`).
+function ran (`trace_analysis.assign_micro_batches`).
 
 Example:
     >>> parse("gradients/cell_1/fprop/dense/MatMul_grad/MatMul")
