@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.image import amoebanet, classifier, input_generator
 
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
@@ -49,7 +49,7 @@ class AmoebaNetDigits(model_registry.SingleTaskModelParams):
         p.random_seed = 1
         p.train.Set(
             learning_rate=2e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=20, total_steps=400, final_factor=0.05),
             max_steps=400, save_interval_steps=100, summary_interval_steps=10,
             log_interval_steps=25, eval_interval_steps=200)
@@ -98,7 +98,7 @@ class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
         p.train.Set(
             learning_rate=0.00125 * self.BATCH_SIZE,
             optimizer=optimizers.RMSProp.Params().Set(decay=0.9, momentum=0.9, epsilon=0.1),
-            lr_schedule=lr_schedule.ExponentialDecay.Params().Set(
+            lr_schedule=learning_rate.ExponentialDecay.Params().Set(
                 decay_rate=0.97, decay_steps=3 * steps_per_epoch, staircase=True,
                 warmup_steps=steps_per_epoch),
             l2_regularizer_weight=4e-5, max_steps=100 * steps_per_epoch,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from lingvo_lite.keras import KerasTask, pipeline_params
 from tasks.image import input_generator
 
@@ -81,7 +81,7 @@ class ResNetDigits(model_registry.SingleTaskModelParams):
         p.random_seed = 1
         p.train.Set(
             learning_rate=3e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=20, total_steps=400, final_factor=0.05),
             max_steps=400, save_interval_steps=100, summary_interval_steps=10,
             log_interval_steps=25, eval_interval_steps=200)

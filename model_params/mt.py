@@ -11,7 +11,7 @@ reproduces all five of its parameter counts, so that is what these configuration
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.mt import input_generator, model
 
 
@@ -62,7 +62,7 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
         p.decoder.Set(beam_size=4, length_penalty=0.6)
         p.train.Set(
             learning_rate=2e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=100, total_steps=self.MAX_STEPS, final_factor=0.05),
             clip_gradient_norm_to_value=1.0, max_steps=self.MAX_STEPS, save_interval_steps=500,
             summary_interval_steps=20, log_interval_steps=100, eval_interval_steps=500)
@@ -110,7 +110,7 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
             share_embeddings=True, label_smoothing=0.1, dropout_prob=0.1)
         p.train.Set(
             learning_rate=1.0, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.TransformerSchedule.Params().Set(
+            lr_schedule=learning_rate.TransformerSchedule.Params().Set(
                 warmup_steps=4000, model_dim=self.MODEL_DIM),
             clip_gradient_norm_to_value=1.0, max_steps=500_000, save_interval_steps=5000,
             summary_interval_steps=100, log_interval_steps=100)
