@@ -66,6 +66,9 @@ from lingvo_lite.training import interrupts
 from lingvo_lite.training import options as options_lib
 
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+# Where this repository's registered models live (`--model=image.AmoebaNetDigits` is
+# `AmoebaNetDigits` in model_params/image.py).
+MODEL_PACKAGE = "model_params"
 
 _MODEL = flags.DEFINE_string("model", None, "Registered model name or module.path.ClassName.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Directory of checkpoints and summaries.")
@@ -195,7 +198,10 @@ def main(argv: list[str]) -> None:
         os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
         _import_tensorflow_quietly()
     # Imported only now: it loads TensorFlow, which the checks above do not need.
+    from lingvo_lite import model_registry
     from lingvo_lite.training import runner
+
+    model_registry.add_model_package(MODEL_PACKAGE)
 
     sys.exit(runner.main(opts))
 

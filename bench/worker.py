@@ -219,6 +219,7 @@ def fig_partition() -> dict:
     from lingvo_lite.pipeline import pipelining_layer
     from lingvo_lite.training import model_config
 
+    model_registry.add_model_package("model_params")  # As trainer.py does.
     rows = []
     for name in model_registry.list_models():
         try:

@@ -13,6 +13,11 @@ from lingvo_lite import devices  # noqa: E402
 
 devices.configure_logical_cpus(8)
 
+from lingvo_lite import model_registry  # noqa: E402
+
+# As trainer.py does: the repository's registered models live in model_params/.
+model_registry.add_model_package("model_params")
+
 import tensorflow as tf  # noqa: E402
 
 # tf.test.TestCase carries TF1's `test_session` context helper, which pytest would
