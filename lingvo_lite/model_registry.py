@@ -34,6 +34,7 @@ from lingvo_lite import hyperparams
 
 __all__ = [
     "SingleTaskModelParams",
+    "SplitInputModelParams",
     "add_model_package",
     "get_class",
     "get_params",
@@ -78,6 +79,45 @@ class SingleTaskModelParams:
         if split not in methods:
             raise ValueError(f"Unknown split {split!r}; use one of {sorted(methods)}.")
         return methods[split]()
+
+
+class SplitInputModelParams(SingleTaskModelParams):
+    """Model params whose splits' inputs are one recipe applied to the split's name.
+
+    Write `split_input(split)` once instead of Train, Dev and Test; `SPLITS` lists the splits
+    the model has (asking for another one raises as `SingleTaskModelParams` does).
+
+    >>> from lingvo_lite import base_input_generator
+    >>> class Digits(SplitInputModelParams):
+    ...     SPLITS = ("train", "dev")
+    ...     def split_input(self, split):
+    ...         p = base_input_generator.BaseInputGenerator.Params().Set(name=split)
+    ...         return p if split == "train" else p.Set(batch_size=40)
+    >>> Digits().Dev().batch_size, Digits().Input("train").name
+    (40, 'train')
+    >>> Digits().Test()
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: Digits has no Test split.
+    """
+
+    SPLITS: tuple[str, ...] = ("train", "dev", "test")
+
+    def split_input(self, split: str) -> hyperparams.Params:
+        """Input params of `split`, one of `SPLITS`."""
+        raise NotImplementedError(f"{type(self).__name__}.split_input")
+
+    def Train(self) -> hyperparams.Params:
+        """`split_input('train')`."""
+        return self.split_input("train") if "train" in self.SPLITS else super().Train()
+
+    def Dev(self) -> hyperparams.Params:
+        """`split_input('dev')`."""
+        return self.split_input("dev") if "dev" in self.SPLITS else super().Dev()
+
+    def Test(self) -> hyperparams.Params:
+        """`split_input('test')`."""
+        return self.split_input("test") if "test" in self.SPLITS else super().Test()
 
 
 def add_model_package(package: str) -> None:

@@ -9,14 +9,14 @@ IMAGENET_TRAIN_EXAMPLES = 1_281_167
 
 
 @model_registry.register
-class AmoebaNetDigits(model_registry.SingleTaskModelParams):
+class AmoebaNetDigits(model_registry.SplitInputModelParams):
     """Small AmoebaNet-D on the 1,797 bundled 8x8 digits, pipelined over 2 cells (a few minutes)."""
 
     BATCH_SIZE = 32
     EVAL_BATCH_SIZE = 40  # Divides the 200 dev and test examples: every one is evaluated.
     IMAGE_SIZE = 16
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.DigitsInput.Params().Set(
             name=f"digits_{split}", split=split, image_size=self.IMAGE_SIZE,
             batch_size=self.BATCH_SIZE)
@@ -24,15 +24,6 @@ class AmoebaNetDigits(model_registry.SingleTaskModelParams):
             p.Set(shuffle=False, repeat=False, drop_remainder=True,
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Network(self) -> hyperparams.Params:  # noqa: N802
         """AmoebaNet-D with a CIFAR-style stem, L=1 normal cell per stack and F=16."""
@@ -56,7 +47,7 @@ class AmoebaNetDigits(model_registry.SingleTaskModelParams):
         return p
 
 
-class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
+class _AmoebaNetImageNet(model_registry.SplitInputModelParams):
     """GPipe's AmoebaNet recipe on ImageNet (tfds `imagenet2012` prepared in DATA_DIR)."""
 
     VARIANT = "D"
@@ -67,20 +58,15 @@ class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
     NUM_CELLS = 4
     NUM_MICRO_BATCHES = 8
     DATA_DIR = "~/tensorflow_datasets"
+    SPLITS = ("train", "dev")
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.TfdsImageInput.Params().Set(
             name=f"imagenet_{split}", dataset_name="imagenet2012", data_dir=self.DATA_DIR,
             split=split, image_size=self.IMAGE_SIZE, num_channels=3, batch_size=self.BATCH_SIZE)
         if split != "train":
             p.Set(shuffle=False, repeat=False)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
 
     def Network(self) -> hyperparams.Params:  # noqa: N802
         return amoebanet.AmoebaNetParams().Set(

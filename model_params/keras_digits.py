@@ -44,14 +44,14 @@ def resnet_layers(image_size: int = 8, filters: int = 16,
 
 
 @model_registry.register
-class ResNetDigits(model_registry.SingleTaskModelParams):
+class ResNetDigits(model_registry.SplitInputModelParams):
     """A small ResNet written as plain Keras layers on the bundled 8x8 digits (K=2, T=2)."""
 
     BATCH_SIZE = 32
     EVAL_BATCH_SIZE = 40  # Divides the 200 dev and test examples.
     IMAGE_SIZE = 8
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.DigitsInput.Params().Set(
             name=f"digits_{split}", split=split, image_size=self.IMAGE_SIZE, num_channels=1,
             batch_size=self.BATCH_SIZE, random_flip=False)
@@ -59,15 +59,6 @@ class ResNetDigits(model_registry.SingleTaskModelParams):
             p.Set(shuffle=False, repeat=False, drop_remainder=True,
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = KerasTask.Params().Set(name="resnet_digits", input_field="image",

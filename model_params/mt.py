@@ -16,7 +16,7 @@ from tasks.mt import input_generator, model
 
 
 @model_registry.register
-class TransformerSmall(model_registry.SingleTaskModelParams):
+class TransformerSmall(model_registry.SplitInputModelParams):
     """2+2-layer Transformer on the generated English->German corpus, pipelined over 2 cells."""
 
     DATA_DIR = input_generator.DEFAULT_DATA_DIR
@@ -34,7 +34,7 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
     NUM_MICRO_BATCHES = 2
     MAX_STEPS = 1000
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.ParallelTextInput.Params().Set(
             name=f"mt_{split}", data_dir=self.DATA_DIR, generate=self.GENERATE, split=split,
             vocab_size=self.VOCAB_SIZE, max_source_length=self.MAX_SOURCE_LENGTH,
@@ -42,15 +42,6 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
         if split != "train":
             p.Set(shuffle=False, repeat=False, batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = model.transformer_task_params(
@@ -69,7 +60,7 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
         return p
 
 
-class _GPipeTransformer(model_registry.SingleTaskModelParams):
+class _GPipeTransformer(model_registry.SplitInputModelParams):
     """GPipe's T(L, H, A) on the user's parallel text in DATA_DIR (64k sentencepiece vocab)."""
 
     NUM_LAYERS = 6  # L: encoder layers = decoder layers.
@@ -83,7 +74,7 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
     NUM_CELLS = 2
     NUM_MICRO_BATCHES = 16
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.ParallelTextInput.Params().Set(
             name=f"mt_{split}", data_dir=self.DATA_DIR, generate="", split=split,
             vocab_size=self.VOCAB_SIZE, max_source_length=self.MAX_LENGTH,
@@ -91,15 +82,6 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
         if split != "train":
             p.Set(shuffle=False, repeat=False)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = model.transformer_task_params(
