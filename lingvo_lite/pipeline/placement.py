@@ -1,4 +1,4 @@
-"""Placement: which device runs pipeline cell k.
+"""Which device runs pipeline cell k: the `placement` param of a PipeliningLayer, resolved.
 
 Model code never names devices. A placement (a string such as 'cpu' or
 'cluster:worker', or a list of device names) maps cell indices to devices of one
