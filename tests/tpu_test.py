@@ -27,8 +27,8 @@ from unittest import mock
 
 import numpy as np
 import tensorflow as tf
+from conftest import stop_processes
 from pipeline_test import WIDTH, _loss, _proj, input_shapes, make_batch
-from subprocesses import stop_processes
 
 from lingvo_lite import fprop_context
 from lingvo_lite.pipeline import pipelining_layer, placement, tpu
