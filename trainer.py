@@ -65,6 +65,8 @@ from absl import logging as absl_logging
 from lingvo_lite.training import interrupts
 from lingvo_lite.training import options as options_lib
 
+__all__ = ["main"]
+
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 # Where this repository's registered models live (`--model=image.AmoebaNetDigits` is
 # `AmoebaNetDigits` in model_params/image.py).

@@ -24,6 +24,8 @@ from lingvo_lite import (
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import tpu
 
+__all__ = ["BaseTask", "scalar_outputs"]
+
 
 def _train_params() -> hyperparams.Params:
     tp = hyperparams.Params()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+__all__ = ["configure_logical_cpus"]
+
 
 def configure_logical_cpus(
     num_devices: int,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = []
+__all__: list[str] = []
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 

@@ -30,6 +30,8 @@ import numpy as np
 
 from lingvo_lite import dotted_path
 
+__all__ = ["CopyFieldsTo", "InstantiableParams", "Params"]
+
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from lingvo_lite import dotted_path
 
+__all__ = ["NestedMap"]
+
 _DELETE = object()  # Sentinel: "this sub-tree was filtered away entirely".
 
 

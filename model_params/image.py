@@ -5,6 +5,16 @@ from __future__ import annotations
 from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.image import amoebanet, classifier, input_generator
 
+__all__ = [
+    "AmoebaNetB_6_512",
+    "AmoebaNetD_12_544",
+    "AmoebaNetD_24_512",
+    "AmoebaNetD_6_208",
+    "AmoebaNetD_6_416",
+    "AmoebaNetD_6_544",
+    "AmoebaNetDigits",
+]
+
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
 
 

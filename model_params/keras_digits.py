@@ -8,6 +8,8 @@ from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from lingvo_lite.keras import KerasTask, pipeline_params
 from tasks.image import input_generator
 
+__all__ = ["residual_block", "resnet_layers", "ResNetDigits"]
+
 # Keras' default (0.99) averages over ~100 steps: too slow for a 300-step run.
 BN_MOMENTUM = 0.9
 

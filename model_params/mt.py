@@ -14,6 +14,15 @@ from __future__ import annotations
 from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.mt import input_generator, model
 
+__all__ = [
+    "TransformerSmall",
+    "TransformerT12_16384_32",
+    "TransformerT24_8192_16",
+    "TransformerT32_16384_32",
+    "TransformerT64_16384_32",
+    "TransformerT6_8192_16",
+]
+
 
 @model_registry.register
 class TransformerSmall(model_registry.SplitInputModelParams):

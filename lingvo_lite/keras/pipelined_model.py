@@ -50,6 +50,8 @@ from lingvo_lite.layers import keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
+__all__ = ["pipeline_params", "PipelinedModel"]
+
 
 class _Hidden:
     """Holds objects Keras must not track (their variables are tracked elsewhere)."""

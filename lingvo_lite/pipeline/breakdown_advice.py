@@ -12,6 +12,15 @@ from collections.abc import Sequence
 
 from lingvo_lite.pipeline import trace_analysis
 
+__all__ = [
+    "advice",
+    "busiest_and_idlest",
+    "markdown",
+    "PipelineConfig",
+    "summary_line",
+    "theoretical_bubble",
+]
+
 # Load imbalance worth acting on: this share of the step, and the busiest device at least this
 # many times busier than the least busy one.
 IMBALANCE_SHARE = 0.05

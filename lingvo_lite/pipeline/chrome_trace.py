@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from lingvo_lite.pipeline import trace_analysis
 
+__all__ = ["assign_lanes", "MEASURED_PID", "PREDICTED_PID", "trace_events", "write_trace"]
+
 MEASURED_PID = 1
 PREDICTED_PID = 2
 _PHASE_NAMES = {trace_analysis.FORWARD: "forward", trace_analysis.RECOMPUTE: "recompute",

@@ -30,6 +30,16 @@ from matplotlib.patches import Patch
 
 from lingvo_lite.pipeline import trace_analysis
 
+__all__ = [
+    "device_idle_fraction",
+    "DPI",
+    "FIGURE_WIDTH_IN",
+    "gantt_figure",
+    "phases_present",
+    "render_rgb",
+    "StepInfo",
+]
+
 WEIGHT_GRADIENT = trace_analysis.WEIGHT  # W: the weight gradient of a split backward (zero-bubble).
 PHASE_NAMES = {trace_analysis.FORWARD: "forward", trace_analysis.RECOMPUTE: "recompute",
                trace_analysis.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.pipeline import simulator, trace_analysis
 
+__all__ = ["mean_busy_ns", "predict_boxes", "predict_from_measured"]
+
 
 def mean_busy_ns(boxes: Sequence[trace_analysis.Box]) -> dict[tuple[int, str], float]:
     """(cell, phase) -> mean busy time of that cell's boxes of that phase."""

@@ -31,6 +31,8 @@ import re
 
 from lingvo_lite.pipeline.schedule import Phase, Schedule
 
+__all__: list[str] = []
+
 FORWARD, RECOMPUTE, BACKWARD, WEIGHT = "F", "R", "B", "W"
 RECOMPUTE_SCOPE = "recompute"
 # Function families: which calls a function-body op belongs to.

@@ -45,6 +45,8 @@ from lingvo_lite.pipeline import (
 )
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
+__all__ = ["PARTITION_COSTS", "PipeliningLayer"]
+
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
 WEIGHT_GRADIENTS = ("per_micro_batch", "batched")

@@ -14,6 +14,17 @@ from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
+__all__ = [
+    "choose_path",
+    "cluster_devices",
+    "describe_mesh",
+    "DEVICES_PATH",
+    "resolve_devices",
+    "resolve_mesh",
+    "TPU_STRATEGY_PATH",
+    "visible_device_counts",
+]
+
 PLACEMENTS = ("auto", "cpu", "gpu", "tpu", "cluster")
 # How a PipeliningLayer places its cells (see choose_path).
 DEVICES_PATH = "devices"

@@ -22,6 +22,8 @@ import copy
 from collections.abc import Iterator
 from types import ModuleType
 
+__all__: list[str] = []
+
 SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 NO_INLINE = {"_noinline": True, "_nospecialize": True}
 

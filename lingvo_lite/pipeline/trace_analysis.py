@@ -32,6 +32,27 @@ from collections.abc import Iterable, Sequence
 
 from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
 
+__all__ = [
+    "Box",
+    "box_name",
+    "boxes_from_events",
+    "Breakdown",
+    "classify_events",
+    "classify_op",
+    "compute_breakdown",
+    "events_in",
+    "find_xplane_files",
+    "load_xspaces",
+    "merge_intervals",
+    "op_events",
+    "OpEvent",
+    "PHASES",
+    "STEP_TRACE_NAME",
+    "step_windows",
+    "union_ns",
+    "WEIGHT",
+]
+
 FORWARD, RECOMPUTE, BACKWARD = op_names.FORWARD, op_names.RECOMPUTE, op_names.BACKWARD
 WEIGHT = op_names.WEIGHT  # The weight gradient of a split backward (zero-bubble).
 PHASES = (FORWARD, RECOMPUTE, BACKWARD, WEIGHT)

@@ -22,6 +22,8 @@ from typing import Any
 from lingvo_lite import hyperparams, model_registry
 from lingvo_lite.training.options import RunOptions, UsageError
 
+__all__: list[str] = []
+
 
 @dataclasses.dataclass
 class ModelConfig:

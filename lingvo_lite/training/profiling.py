@@ -29,6 +29,8 @@ import os
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+__all__: list[str] = []
+
 PROFILE_SUBDIR = "train"
 
 

@@ -37,6 +37,8 @@ from lingvo_lite.training.options import (
 if TYPE_CHECKING:
     import tensorflow as tf
 
+__all__ = ["main", "prepare"]
+
 USER_ERRORS = (ValueError, KeyError, AttributeError, FileNotFoundError)
 Job = Callable[[], int]
 
