@@ -14,7 +14,14 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-__all__ = ["parse_int_list", "parse_profile_steps", "RunOptions", "TrainingError", "UsageError"]
+__all__ = [
+    "MODES",
+    "parse_int_list",
+    "parse_profile_steps",
+    "RunOptions",
+    "TrainingError",
+    "UsageError",
+]
 
 MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_params",
          "inspect_model", "check_equivalence", "plan")
