@@ -2,6 +2,15 @@
 
     python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=train
     tensorboard --logdir /tmp/amoeba
+    python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=eval
+    python trainer.py --mode=list_models
+    python trainer.py --model=image.AmoebaNetDigits --mode=inspect_model --inspect_num_cells=2,4
+    python trainer.py --model=image.AmoebaNetDigits --mode=plan --plan_devices=8 \\
+        --plan_memory_per_device=16GiB
+
+Each invocation is `lingvo_lite.training.main(RunOptions(...))` after this file declares where
+the models live (`model_registry.add_model_package("model_params")`); that function's
+docstring runs the modes that need no logdir in-process, as a tested example.
 
 Modes:
   train           train to train.max_steps, resuming from the latest checkpoint in --logdir;
