@@ -10,6 +10,10 @@ with respect to them, and recompute the forward later.
 variables nor data: forward flops, output shapes, parameter count and output
 activation bytes. The partitioner balances cells with it, and
 `trainer.py --mode=inspect_model` describes models far too large to allocate.
+
+A layer with children declares them once, from its Params, in the classmethod
+`declare_children(p)`: construction creates exactly those children, and
+`FPropMeta` costs the same params without instantiating anything.
 """
 
 from __future__ import annotations
@@ -126,7 +130,9 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
 
 
 class BaseLayer(tf.Module):
-    """Base class of every layer. Subclasses define Params, __init__, FProp, FPropMeta."""
+    """Base class of every layer. Subclasses define Params, FProp, FPropMeta, and either
+    `declare_children` (children derived from the params) or __init__ (variables, or
+    children that need more than params, e.g. a device per child)."""
 
     @classmethod
     def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
@@ -166,6 +172,54 @@ class BaseLayer(tf.Module):
         self._path = f"{parent.path}/{params.name}" if parent is not None else params.name
         self._private_vars = NestedMap()
         self._private_children = NestedMap()
+        for name, child in self.declare_children(params).items():
+            if isinstance(child, (list, tuple)):
+                self.CreateChildren(name, child)
+            else:
+                self.CreateChild(name, child)
+
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        """The layer's children, from its params alone: {name: Params or list of Params}.
+
+        The one declaration of a layer's structure. `BaseLayer.__init__` creates each
+        entry (a Params with `CreateChild`, a list with `CreateChildren`), so the child is
+        `self.<name>` and its weights `theta.<name>`; the classmethod `FPropMeta` calls it
+        too, to cost the very same children from their params without instantiating any.
+        Entries are in application order where there is one; validate `p` here, since
+        both construction and costing pass through. The default declares none.
+
+        >>> from lingvo_lite.layers import composite, dense
+        >>> class TwoDense(BaseLayer):
+        ...     @classmethod
+        ...     def Params(cls):
+        ...         p = super().Params()
+        ...         p.Define("dims", (4, 8, 2), "Input, hidden and output depth.")
+        ...         return p
+        ...
+        ...     @classmethod
+        ...     def declare_children(cls, p):
+        ...         d_in, hidden, d_out = p.dims
+        ...         proj = dense.ProjectionLayer.Params()
+        ...         return {"first": proj.Copy().Set(input_dim=d_in, output_dim=hidden),
+        ...                 "second": proj.Copy().Set(input_dim=hidden, output_dim=d_out)}
+        ...
+        ...     def FProp(self, theta, x):
+        ...         return self.second.FProp(theta.second, self.first.FProp(theta.first, x))
+        ...
+        ...     @classmethod
+        ...     def FPropMeta(cls, p, x_shape):
+        ...         metas = composite.chain_meta(list(cls.declare_children(p).values()),
+        ...                                      x_shape)
+        ...         return composite.sum_meta(metas, (x_shape,), p.dtype)
+        >>> layer = TwoDense.Params().Set(name="net").Instantiate()
+        >>> layer.first.params.output_dim, layer(tf.ones([3, 4])).shape.as_list()
+        (8, [3, 2])
+        >>> TwoDense.FPropMeta(TwoDense.Params(), tf.TensorShape([3, 4])).num_params
+        58
+        """
+        del p
+        return {}
 
     # -- structure -----------------------------------------------------------
 

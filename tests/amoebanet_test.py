@@ -1,4 +1,4 @@
-"""Tests of tasks/image/amoebanet.py: cost model vs real layers, numerics, structure, sizes."""
+"""Tests of tasks/image/amoebanet/: cost model vs real layers, numerics, structure, sizes."""
 
 from __future__ import annotations
 

@@ -87,26 +87,33 @@ class OpNamesTest(tf.test.TestCase):
         sched = schedule.make_schedule("gpipe", 2, 2)  # F0 F1 B1 B0 on each cell.
         runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
         for k in range(2):
-            self.assertEqual(runs[(k, "fprop")], [0, 1])
-            # Kept: TF's gradient, which as the cell's first weight gradient is the sum.
-            self.assertEqual(runs[(k, "fprop_gradient")], [1])
+            # Micro-batch 1 is kept: its forward and its gradient (the cell's first weight
+            # gradient, so the sum as it is) run inline, no function.
+            self.assertEqual(runs[(k, "fprop")], [0])
             self.assertNotIn((k, "accumulate"), runs)
             self.assertEqual(runs[(k, "bprop")], [0])  # Re-computed (adds to the sums).
         kept = op_names.function_runs(sched, remat.remat_plan(sched, "never"))
-        for k in range(2):  # B1, then B0, whose gradient is added to B1's.
-            self.assertEqual(kept[(k, "fprop_gradient")], [1, 0])
-            self.assertEqual(kept[(k, "accumulate")], [0])
+        for k in range(2):  # Inline B1, then inline B0, whose gradient is added to B1's.
+            self.assertEqual(kept, {(0, "accumulate"): [0], (1, "accumulate"): [0]})
+        # On serial devices a kept forward is a call and its gradient TensorFlow's gradient
+        # function of that call.
+        calls = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"),
+                                       kept_inline=False)
+        for k in range(2):
+            self.assertEqual(calls[(k, "fprop")], [0, 1])
+            self.assertEqual(calls[(k, "fprop_gradient")], [1])
+            self.assertNotIn((k, "accumulate"), calls)
+            self.assertEqual(calls[(k, "bprop")], [0])
 
     def test_function_runs_of_a_split_backward_by_hand(self):
         # K=2, T=2 zero-bubble: cell 0 F0 F1 B0 W0 B1 W1, cell 1 F0 B0 F1 B1 W0 W1. except_last
-        # keeps cell 1's micro-batches (each B right after its F). Cell 0's B computes
-        # nothing (its input needs no gradient); every W re-runs the forward and adds its
-        # weight gradient to the sums (no "accumulate").
+        # keeps cell 1's micro-batches (each B right after its F: both inline). Cell 0's B
+        # computes nothing (its input needs no gradient); every W re-runs the forward and adds
+        # its weight gradient to the sums (no "accumulate").
         sched = schedule.make_schedule("zero_bubble", 2, 2)
         runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
         self.assertEqual(runs, {
-            (0, "fprop"): [0, 1], (0, "wgrad"): [0, 1],
-            (1, "fprop"): [0, 1], (1, "fprop_gradient"): [0, 1], (1, "wgrad"): [0, 1],
+            (0, "fprop"): [0, 1], (0, "wgrad"): [0, 1], (1, "wgrad"): [0, 1],
         })
 
     def test_weight_gradient_names(self):
@@ -133,7 +140,8 @@ class OpNamesTest(tf.test.TestCase):
             "cell_1/fprop/layers/p0/MatMul": (1, "F", None, "fprop"),
             "cell_1/bprop/recompute/layers/p0/MatMul": (1, "R", None, "bprop"),
             "gradient_tape/cell_1/bprop/recompute/layers/p0/MatMul": (1, "B", None, "bprop"),
-            "gradients/cell_2/fprop/p0/MatMul_grad/MatMul": (2, "B", None, "fprop_gradient"),
+            "gradient_tape/cell_2/fprop_mb_5/fprop/p0/MatMul/MatMul":
+                (2, "B", 5, "fprop_gradient"),
             "cell_0/accumulate/add_3": (0, "B", None, "accumulate"),
             "task/replica_1/cell_4/fprop/x": (4, "F", None, "fprop"),
         }
@@ -204,11 +212,12 @@ class TracedOnceTest(tf.test.TestCase, parameterized.TestCase):
             _step_graph(_stack_pipeline(32, 2, t, remat_mode))) for t in (4, 32)}
         self.assertLess(counts[32], 1.5 * counts[4], msg=str(counts))
 
-    @parameterized.parameters("always", "except_last", "never")
+    @parameterized.parameters("always", "except_last")
     def test_function_bodies_are_independent_of_micro_batches(self, remat_mode):
-        # Without re-materialisation each backward is TensorFlow's gradient of a forward call,
-        # which needs a few more ops per action (a gradient for every output of the call), but
-        # the function bodies still do not grow and each action stays a handful of ops.
+        # The function bodies do not grow and each action stays a handful of ops. (remat=
+        # 'never' keeps every micro-batch, whose forwards run inline to free their activations
+        # layer by layer in the backward: its graph grows with T, the price of not
+        # re-computing.)
         sizes = {}
         for t in (4, 32):
             graph_def = _step_graph(_stack_pipeline(32, 4, t, remat_mode)).as_graph_def()
@@ -246,8 +255,8 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters(("gpipe", "except_last"), ("1f1b", "always"),
                               ("1f1b", "never"))
     def test_each_cell_runs_its_actions_in_schedule_order(self, schedule_name, remat_mode):
-        # Action i+1 of a cell may only start after action i: its call op must (transitively)
-        # wait for the previous action's call op in the step's graph.
+        # Action i+1 of a cell may only start after action i: its call ops (or inline matmuls)
+        # must (transitively) wait for the previous action's in the step's graph.
         num_cells, num_micro = 2, 4
         pipe = pipelining_layer.PipeliningLayer.Params().Set(
             name="pipe", layers=_dense_stack(4), num_cells=num_cells,
@@ -259,8 +268,18 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
         for k in range(num_cells):
             calls = []
             for action in sched.cell_order(k):
-                scope = op_names.action_scope(action.phase.value, k, action.micro_batch) + "/"
-                found = graph_structure.call_ops(graph, scope)
+                t = action.micro_batch
+                scope = op_names.action_scope(action.phase.value, k, t) + "/"
+                # Calls of the cell's functions; a kept micro-batch's forward and its tape
+                # gradient run inline, so their matmuls stand for them (those whose result
+                # is used: cell 0's unused input gradient is pruned, it never runs).
+                inline = op_names.action_scope("F", k, t) + "/"
+                if action.phase is schedule.Phase.BACKWARD:
+                    inline = "gradient_tape/" + inline
+                found = graph_structure.call_ops(graph, scope) + [
+                    op for op in graph.get_operations()
+                    if op.type == "MatMul" and op.name.startswith(inline)
+                    and any(out.consumers() for out in op.outputs)]
                 self.assertNotEmpty(found, msg=scope)
                 calls.append(found)
             for before, after in zip(calls, calls[1:]):

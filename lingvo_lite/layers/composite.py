@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lingvo_lite import base_layer, hyperparams
@@ -19,12 +20,31 @@ def chain_fprop(layers: list[base_layer.BaseLayer], thetas: list[NestedMap], *ar
     return args if len(args) > 1 else args[0]
 
 
-def chain_meta(layer_params: list[hyperparams.Params], *input_shapes: Any) -> list[NestedMap]:
-    """FPropMeta of each layer of a chain, each fed the previous one's out_shapes."""
+def chain_meta(layer_params: Sequence[hyperparams.Params], *input_shapes: Any,
+               input_name: str = "the input") -> list[NestedMap]:
+    """FPropMeta of each layer of a chain, each fed the previous one's out_shapes.
+
+    The one place a chain of layers is costed (composite layers, a PipeliningLayer's
+    layers, a whole network). A layer whose FPropMeta rejects its input raises a
+    ValueError naming the layer, its index and the shapes it was given; `input_name`
+    names the chain's input in that message.
+
+    >>> from lingvo_lite.layers import dense
+    >>> proj = dense.ProjectionLayer.Params().Set(name="p", input_dim=4, output_dim=2)
+    >>> [m.num_params for m in chain_meta([proj, proj.Copy().Set(input_dim=2)], [3, 4])]
+    [10, 6]
+    """
     metas = []
     shapes = input_shapes
-    for p in layer_params:
-        meta = p.cls.FPropMeta(p, *shapes)
+    for i, p in enumerate(layer_params):
+        try:
+            meta = p.cls.FPropMeta(p, *shapes)
+        except (ValueError, TypeError) as e:
+            source = f"the output of layer {i - 1}" if i else input_name
+            raise ValueError(
+                f"Layer {i} ({p.name or p.cls.__name__}) cannot take {source} "
+                f"(shapes {shapes}): {e}"
+            ) from e
         metas.append(meta)
         shapes = meta.out_shapes
     return metas
@@ -53,17 +73,17 @@ class SequentialLayer(base_layer.BaseLayer):
         p.Define("sub", [], "List of layer params, applied in order.")
         return p
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        self.CreateChildren("sub", self.params.sub)
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        return {"sub": list(p.sub)}
 
     def FProp(self, theta: NestedMap, *args: Any) -> Any:  # noqa: N802
         return chain_fprop(self.sub, theta.sub, *args)
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
-        return sum_meta(chain_meta(list(p.sub), *input_shapes), input_shapes,
-                        p.fprop_dtype or p.dtype)
+        return sum_meta(chain_meta(cls.declare_children(p)["sub"], *input_shapes),
+                        input_shapes, p.fprop_dtype or p.dtype)
 
 
 class RepeatLayer(base_layer.BaseLayer):
@@ -76,19 +96,18 @@ class RepeatLayer(base_layer.BaseLayer):
         p.Define("repeat", 1, "Number of copies, >= 1.")
         return p
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        p = self.params
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
         if p.body is None:
-            raise ValueError(f"{self.path}: RepeatLayer needs p.body (the layer to repeat).")
+            raise ValueError(f"{p.name}: RepeatLayer needs p.body (the layer to repeat).")
         if p.repeat < 1:
-            raise ValueError(f"{self.path}: p.repeat must be >= 1, got {p.repeat}.")
-        self.CreateChildren("body", [p.body] * p.repeat)
+            raise ValueError(f"{p.name}: p.repeat must be >= 1, got {p.repeat}.")
+        return {"body": [p.body] * p.repeat}
 
     def FProp(self, theta: NestedMap, *args: Any) -> Any:  # noqa: N802
         return chain_fprop(self.body, theta.body, *args)
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
-        return sum_meta(chain_meta([p.body] * p.repeat, *input_shapes), input_shapes,
-                        p.fprop_dtype or p.dtype)
+        return sum_meta(chain_meta(cls.declare_children(p)["body"], *input_shapes),
+                        input_shapes, p.fprop_dtype or p.dtype)

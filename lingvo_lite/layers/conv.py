@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
-from lingvo_lite.layers import activations
+from lingvo_lite.layers import activations, composite
 from lingvo_lite.nested_map import NestedMap
 
 _PADDINGS = ("SAME", "VALID")
@@ -107,61 +107,62 @@ def _conv_meta(
     )
 
 
-def _define_conv_params(p: hyperparams.InstantiableParams) -> None:
-    p.Define("filter_stride", (1, 1), "Strides (sh, sw) along height and width.")
-    p.Define("padding", "SAME", "'SAME' or 'VALID', as in tf.nn.conv2d.")
-    p.Define("dilation_rate", (1, 1), "Dilation (dh, dw) along height and width.")
-    p.Define("has_bias", False, "Add a bias per output channel (off: convs usually feed a "
-             "batch norm).")
-    p.Define("activation", "NONE", f"One of {list(activations.VALID_ACTIVATIONS)}.")
-    p.params_init = weight_params.WeightInit.HeNormal(1.0)
+class _FilterConvLayer(base_layer.BaseLayer):
+    """What Conv2DLayer and DepthwiseConv2DLayer share: a `filter_shape` kernel `w`, an
+    optional bias `b` per output channel, then `activation`. A subclass says how the
+    kernel's last axis maps to output channels and how to convolve."""
 
-
-def _validate_filter_conv(p: hyperparams.Params, where: str, last_dim: str) -> tuple[int, ...]:
-    """Checks a filter_shape-style conv's params; returns the filter shape."""
-    _check_common(p, where)
-    to_pair(p.filter_stride, "filter_stride", where)
-    to_pair(p.dilation_rate, "dilation_rate", where)
-    return _check_filter_shape(p, where, last_dim)
-
-
-class Conv2DLayer(base_layer.BaseLayer):
-    """NHWC 2-D convolution: [B, H, W, in] -> [B, H', W', out], then `activation`.
-
-    Weights: `w` of shape `filter_shape` (h, w, in, out); `b` [out] if `has_bias`.
-    """
+    _FILTER_LAST_DIM = ""  # Name of filter_shape[3], for docs and messages.
+    _FAN_IN_AXES: tuple[int, ...] = ()  # Kernel axes an output's inputs span.
 
     @classmethod
     def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
         p = super().Params()
-        p.Define("filter_shape", (0, 0, 0, 0), "Kernel shape (h, w, in_channels, out_channels).")
-        _define_conv_params(p)
+        p.Define("filter_shape", (0, 0, 0, 0),
+                 f"Kernel shape (h, w, in_channels, {cls._FILTER_LAST_DIM}).")
+        p.Define("filter_stride", (1, 1), "Strides (sh, sw) along height and width.")
+        p.Define("padding", "SAME", "'SAME' or 'VALID', as in tf.nn.conv2d.")
+        p.Define("dilation_rate", (1, 1), "Dilation (dh, dw) along height and width.")
+        p.Define("has_bias", False, "Add a bias per output channel (off: convs usually feed a "
+                 "batch norm).")
+        p.Define("activation", "NONE", f"One of {list(activations.VALID_ACTIVATIONS)}.")
+        p.params_init = weight_params.WeightInit.HeNormal(1.0)
         return p
+
+    @staticmethod
+    def _out_channels(fs: tuple[int, ...]) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def _macs_per_output(fs: tuple[int, ...]) -> int:
+        raise NotImplementedError
+
+    def _convolve(self, inputs: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+        raise NotImplementedError
 
     @classmethod
     def _validate(cls, p: hyperparams.Params, where: str) -> tuple[int, ...]:
-        return _validate_filter_conv(p, where, "out")
+        """Checks the params; returns the filter shape."""
+        _check_common(p, where)
+        to_pair(p.filter_stride, "filter_stride", where)
+        to_pair(p.dilation_rate, "dilation_rate", where)
+        return _check_filter_shape(p, where, cls._FILTER_LAST_DIM)
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
         super().__init__(params)
-        p = self.params
-        fs = self._validate(p, self.path)
+        fs = self._validate(self.params, self.path)
         self.CreateVariable("w", weight_params.WeightParams(
-            shape=fs, fan_in_axes=(0, 1, 2), fan_out_axes=(0, 1, 3)))
-        if p.has_bias:
+            shape=fs, fan_in_axes=self._FAN_IN_AXES, fan_out_axes=(0, 1, 3)))
+        if self.params.has_bias:
             self.CreateVariable("b", weight_params.WeightParams(
-                shape=(fs[3],), init=weight_params.WeightInit.Constant(0.0)))
+                shape=(self._out_channels(fs),), init=weight_params.WeightInit.Constant(0.0)))
 
     def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
         p = self.params
         theta = self.CastTheta(theta)
         inputs = tf.convert_to_tensor(inputs)
         _check_input(self.path, inputs.shape, p.filter_shape[2], "filter_shape[2]")
-        inputs = tf.cast(inputs, self.fprop_dtype)
-        sh, sw = to_pair(p.filter_stride, "filter_stride", self.path)
-        dh, dw = to_pair(p.dilation_rate, "dilation_rate", self.path)
-        out = tf.nn.conv2d(inputs, theta.w, strides=[1, sh, sw, 1], padding=p.padding,
-                           dilations=[1, dh, dw, 1])
+        out = self._convolve(tf.cast(inputs, self.fprop_dtype), theta.w)
         if p.has_bias:
             out = tf.nn.bias_add(out, theta.b)
         return activations.get_activation(p.activation)(out)
@@ -172,11 +173,38 @@ class Conv2DLayer(base_layer.BaseLayer):
         fs = cls._validate(p, where)
         shape = base_layer.to_shape(inputs)
         _check_input(where, shape, fs[2], "filter_shape[2]")
-        num_params = math.prod(fs) + (fs[3] if p.has_bias else 0)
-        return _conv_meta(p, where, shape, fs[:2], fs[0] * fs[1] * fs[2], fs[3], num_params)
+        out_channels = cls._out_channels(fs)
+        num_params = math.prod(fs) + (out_channels if p.has_bias else 0)
+        return _conv_meta(p, where, shape, fs[:2], cls._macs_per_output(fs), out_channels,
+                          num_params)
 
 
-class DepthwiseConv2DLayer(base_layer.BaseLayer):
+class Conv2DLayer(_FilterConvLayer):
+    """NHWC 2-D convolution: [B, H, W, in] -> [B, H', W', out], then `activation`.
+
+    Weights: `w` of shape `filter_shape` (h, w, in, out); `b` [out] if `has_bias`.
+    """
+
+    _FILTER_LAST_DIM = "out_channels"
+    _FAN_IN_AXES = (0, 1, 2)
+
+    @staticmethod
+    def _out_channels(fs: tuple[int, ...]) -> int:
+        return fs[3]
+
+    @staticmethod
+    def _macs_per_output(fs: tuple[int, ...]) -> int:
+        return fs[0] * fs[1] * fs[2]
+
+    def _convolve(self, inputs: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+        p = self.params
+        sh, sw = to_pair(p.filter_stride, "filter_stride", self.path)
+        dh, dw = to_pair(p.dilation_rate, "dilation_rate", self.path)
+        return tf.nn.conv2d(inputs, w, strides=[1, sh, sw, 1], padding=p.padding,
+                            dilations=[1, dh, dw, 1])
+
+
+class DepthwiseConv2DLayer(_FilterConvLayer):
     """Depthwise NHWC convolution: each input channel gets `channel_multiplier` filters.
 
     [B, H, W, in] -> [B, H', W', in * channel_multiplier]; output channel
@@ -184,41 +212,18 @@ class DepthwiseConv2DLayer(base_layer.BaseLayer):
     Weights: `w` of shape `filter_shape` (h, w, in, channel_multiplier); `b` if `has_bias`.
     """
 
-    @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
-        p = super().Params()
-        p.Define("filter_shape", (0, 0, 0, 0),
-                 "Kernel shape (h, w, in_channels, channel_multiplier).")
-        _define_conv_params(p)
-        return p
+    _FILTER_LAST_DIM = "channel_multiplier"
+    _FAN_IN_AXES = (0, 1)  # Each output sees kh * kw inputs of one channel.
 
-    @classmethod
-    def _validate(cls, p: hyperparams.Params, where: str) -> tuple[int, ...]:
-        return _validate_filter_conv(p, where, "channel_multiplier")
+    @staticmethod
+    def _out_channels(fs: tuple[int, ...]) -> int:
+        return fs[2] * fs[3]
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        p = self.params
-        fs = self._validate(p, self.path)
-        # Each output sees kh * kw inputs of one channel.
-        self.CreateVariable("w", weight_params.WeightParams(
-            shape=fs, fan_in_axes=(0, 1), fan_out_axes=(0, 1, 3)))
-        if p.has_bias:
-            self.CreateVariable("b", weight_params.WeightParams(
-                shape=(fs[2] * fs[3],), init=weight_params.WeightInit.Constant(0.0)))
+    @staticmethod
+    def _macs_per_output(fs: tuple[int, ...]) -> int:
+        return fs[0] * fs[1]
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
-        p = self.params
-        theta = self.CastTheta(theta)
-        inputs = tf.convert_to_tensor(inputs)
-        _check_input(self.path, inputs.shape, p.filter_shape[2], "filter_shape[2]")
-        inputs = tf.cast(inputs, self.fprop_dtype)
-        out = self._depthwise(inputs, theta.w)
-        if p.has_bias:
-            out = tf.nn.bias_add(out, theta.b)
-        return activations.get_activation(p.activation)(out)
-
-    def _depthwise(self, inputs: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    def _convolve(self, inputs: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
         p = self.params
         sh, sw = to_pair(p.filter_stride, "filter_stride", self.path)
         dh, dw = to_pair(p.dilation_rate, "dilation_rate", self.path)
@@ -239,16 +244,6 @@ class DepthwiseConv2DLayer(base_layer.BaseLayer):
         dense = tf.nn.depthwise_conv2d(inputs, w, strides=[1, 1, 1, 1], padding="VALID",
                                        dilations=[dh, dw])
         return dense[:, ::sh, ::sw, :]
-
-    @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
-        where = p.name or cls.__name__
-        fs = cls._validate(p, where)
-        shape = base_layer.to_shape(inputs)
-        _check_input(where, shape, fs[2], "filter_shape[2]")
-        out_channels = fs[2] * fs[3]
-        num_params = math.prod(fs) + (out_channels if p.has_bias else 0)
-        return _conv_meta(p, where, shape, fs[:2], fs[0] * fs[1], out_channels, num_params)
 
 
 class SeparableConv2DLayer(base_layer.BaseLayer):
@@ -275,9 +270,8 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
         return p
 
     @classmethod
-    def _child_params(
-        cls, p: hyperparams.Params, where: str
-    ) -> tuple[hyperparams.Params, hyperparams.Params]:
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        where = p.name or cls.__name__
         for name in ("input_dim", "output_dim", "depth_multiplier"):
             value = getattr(p, name)
             if not isinstance(value, int) or value <= 0:
@@ -286,21 +280,15 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
         stride = to_pair(p.stride, "stride", where)
         dilation = to_pair(p.dilation_rate, "dilation_rate", where)
         common = dict(dtype=p.dtype, fprop_dtype=p.fprop_dtype, params_init=p.params_init)
-        dw = DepthwiseConv2DLayer.Params().Set(
-            name="depthwise", filter_shape=(kh, kw, p.input_dim, p.depth_multiplier),
-            filter_stride=stride, dilation_rate=dilation, padding=p.padding, has_bias=False,
-            activation="NONE", **common)
-        pw = Conv2DLayer.Params().Set(
-            name="pointwise",
-            filter_shape=(1, 1, p.input_dim * p.depth_multiplier, p.output_dim),
-            has_bias=p.has_bias, activation=p.activation, **common)
-        return dw, pw
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        dw, pw = self._child_params(self.params, self.path)
-        self.CreateChild("depthwise", dw)
-        self.CreateChild("pointwise", pw)
+        return {
+            "depthwise": DepthwiseConv2DLayer.Params().Set(
+                filter_shape=(kh, kw, p.input_dim, p.depth_multiplier), filter_stride=stride,
+                dilation_rate=dilation, padding=p.padding, has_bias=False, activation="NONE",
+                **common),
+            "pointwise": Conv2DLayer.Params().Set(
+                filter_shape=(1, 1, p.input_dim * p.depth_multiplier, p.output_dim),
+                has_bias=p.has_bias, activation=p.activation, **common),
+        }
 
     def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
         inputs = tf.convert_to_tensor(inputs)
@@ -310,12 +298,10 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
-        where = p.name or cls.__name__
-        dw, pw = cls._child_params(p, where)
+        children = cls.declare_children(p)
         shape = base_layer.to_shape(inputs)
-        _check_input(where, shape, p.input_dim, "input_dim")
-        dw_meta = DepthwiseConv2DLayer.FPropMeta(dw, shape)
-        pw_meta = Conv2DLayer.FPropMeta(pw, *dw_meta.out_shapes)
+        _check_input(p.name or cls.__name__, shape, p.input_dim, "input_dim")
+        metas = composite.chain_meta(list(children.values()), shape)
         return base_layer.fprop_meta(
-            dw_meta.flops + pw_meta.flops, pw_meta.out_shapes,
-            dw_meta.num_params + pw_meta.num_params, p.fprop_dtype or p.dtype)
+            sum(m.flops for m in metas), metas[-1].out_shapes,
+            sum(m.num_params for m in metas), p.fprop_dtype or p.dtype)

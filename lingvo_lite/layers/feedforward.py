@@ -13,7 +13,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.layers import dense, dropout, normalization
+from lingvo_lite.layers import composite, dense, dropout, normalization
 from lingvo_lite.nested_map import NestedMap
 
 
@@ -40,8 +40,8 @@ class FeedForwardLayer(base_layer.BaseLayer):
         p.Define("ln_tpl", normalization.LayerNorm.Params(), "Layer norm template.")
         return p
 
-    @staticmethod
-    def _child_params(p: hyperparams.Params) -> NestedMap:
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
         """Params of the children, in application order (only those that exist)."""
         if p.input_dim <= 0 or p.hidden_dim <= 0:
             raise ValueError(f"FeedForwardLayer '{p.name}': p.input_dim and p.hidden_dim must "
@@ -68,13 +68,6 @@ class FeedForwardLayer(base_layer.BaseLayer):
                 keep_prob=1.0 - p.residual_dropout_prob, **common)
         return children
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        self._order = []
-        for name, child_p in self._child_params(self.params).items():
-            self.CreateChild(name, child_p)
-            self._order.append(name)
-
     def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         """Applies the block to `inputs` [B, ..., input_dim]; same shape out, fprop dtype."""
         p = self.params
@@ -82,9 +75,8 @@ class FeedForwardLayer(base_layer.BaseLayer):
         normalization.check_input_shape(f"{type(self).__name__} '{self.path}'", inputs.shape, 2,
                                         p.input_dim, "input_dim")
         x = tf.cast(inputs, self.fprop_dtype)
-        h = x
-        for name in self._order:
-            h = self.children[name].FProp(theta[name], h)
+        h = composite.chain_fprop(list(self.children.values()),
+                                  [theta[name] for name in self.children], x)
         if p.add_residual:
             h += x
         return h
@@ -93,16 +85,10 @@ class FeedForwardLayer(base_layer.BaseLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs_shape: Any) -> NestedMap:
         shape = normalization.check_input_shape(cls.__name__, base_layer.to_shape(inputs_shape),
                                                 2, p.input_dim, "input_dim")
-        flops = 0.0
-        num_params = 0
-        saved = 0
-        shapes = (shape,)
-        for child_p in cls._child_params(p).values():
-            meta = child_p.cls.FPropMeta(child_p, *shapes)
-            flops += meta.flops
-            num_params += meta.num_params
-            saved += base_layer.saved_activation_bytes(meta)
-            shapes = meta.out_shapes
+        metas = composite.chain_meta(list(cls.declare_children(p).values()), shape)
+        flops = sum(m.flops for m in metas)
+        num_params = sum(m.num_params for m in metas)
+        saved = sum(base_layer.saved_activation_bytes(m) for m in metas)
         dtype = p.fprop_dtype or p.dtype
         if p.add_residual:
             flops += shape.num_elements()

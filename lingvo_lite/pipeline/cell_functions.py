@@ -203,7 +203,7 @@ class CellFunctions:
         self._replica = replica
         self._traced = traced
         self._serial = serial
-        self._forward: dict[_Context, _TracedOnce] = {}
+        self._forward: dict[tuple[_Context, bool], _TracedOnce] = {}
         self._backward: dict[_Context, _TracedOnce] = {}
         self._pending: tuple[NestedMap, CallInput, CallInput] | None = None
         self._accumulate = _TracedOnce(self._accumulate_body, self._name("accumulate"), traced)
@@ -211,8 +211,8 @@ class CellFunctions:
     def _name(self, family: str) -> str:
         return op_names.function_scope(family, self.cell, self._replica).replace("/", "_")
 
-    def _scope(self, family: str) -> Any:
-        if not self._traced:  # Inline: the call site's scope already names the action.
+    def _scope(self, family: str, inline: bool = False) -> Any:
+        if inline or not self._traced:  # The call site's scope already names the action.
             return tf.name_scope(family)
         return tf.name_scope(op_names.function_scope(family, self.cell, self._replica) + "/")
 
@@ -244,21 +244,29 @@ class CellFunctions:
         return CallInput(x, tuple(leaves), was_int32)
 
     def forward(self, theta: NestedMap, x: CallInput, example_offset: tf.Tensor,
-                step_seed: CallInput) -> tuple[Any, tf.Tensor, list[tuple[Any, Any]]]:
+                step_seed: CallInput,
+                inline: bool = False) -> tuple[Any, tf.Tensor, list[tuple[Any, Any]]]:
         """y = body(theta, x), the example offset, and the statistics layers reported.
 
         `example_offset` (int64: the position of x's first example in the mini-batch) comes
         back as an output of the call, so the next cell receives it together with y instead of
-        needing a constant per call. Statistics are reported if the context collects them. Run
-        under a caller's tape that watches `theta` and `x.leaves`, the call keeps what its
-        gradient needs (TensorFlow differentiates the traced function as a whole).
+        needing a constant per call. Statistics are reported if the context collects them.
+
+        `inline=True` runs the body's ops at the call site instead of calling the traced
+        function: for a forward whose activations are kept for the backward (run under the
+        caller's tape). TensorFlow's gradient of a function call is one call that holds every
+        activation it was handed until it returns, where inline ops free each layer's as the
+        backward passes it: measured, one kept micro-batch's step peak was 16% (Transformer
+        blocks) and 29% (AmoebaNet cells) lower inline (BENCHMARKS.md, section 9).
         """
         ctx = _Context.current(fprop_context.current().updates is not None)
-        if ctx not in self._forward:
-            self._forward[ctx] = _TracedOnce(
-                lambda *a: self._forward_body(ctx, *a), self._name(op_names.FPROP), self._traced)
+        key = (ctx, inline or not self._traced)
+        if key not in self._forward:
+            self._forward[key] = _TracedOnce(
+                lambda *a: self._forward_body(ctx, key[1], *a), self._name(op_names.FPROP),
+                self._traced and not inline)
         args = self._arguments(theta, x, example_offset, step_seed)
-        flat, (y_like, reports) = self._call(self._forward[ctx], *args)
+        flat, (y_like, reports) = self._call(self._forward[key], *args)
         num_y = len(flatten(y_like))
         y = pack(y_like, flat[:num_y])
         offset = flat[num_y]
@@ -286,14 +294,14 @@ class CellFunctions:
         theta_like, x, seed = self._pending
         return theta_like.Pack(theta_leaves), x.value(x_leaves), offset, seed.value(seed_leaves)
 
-    def _forward_body(self, ctx: _Context, structure: Any, theta_leaves: list[Any],
-                      x_leaves: list[Any], offset: Any,
+    def _forward_body(self, ctx: _Context, inline: bool, structure: Any,
+                      theta_leaves: list[Any], x_leaves: list[Any], offset: Any,
                       seed_leaves: list[Any]) -> tuple[list[Any], Any]:
         del structure  # Only tells traces apart.
         theta, x, offset, seed = self._unpack_arguments(theta_leaves, x_leaves, offset,
                                                         seed_leaves)
         collector = fprop_context.UpdateCollector() if ctx.collect_updates else None
-        with self._scope(op_names.FPROP), fprop_context.fprop_context(
+        with self._scope(op_names.FPROP, inline), fprop_context.fprop_context(
                 training=ctx.training, batch_dim=ctx.batch_dim, example_offset=offset,
                 step_seed=seed, updates=collector):
             y = self._body(theta, x)

@@ -4,7 +4,10 @@
 the `Executor` walks the schedule's actions in a dependency-respecting order and emits, for each:
 
 - F(k, t): cell k's forward function on the boundary value of micro-batch t, on device k. If
-  `keep` holds (k, t) it runs under a tape, so its activations stay for the backward;
+  `keep` holds (k, t) its ops run inline under a tape, so its activations stay for the
+  backward and are freed layer by layer as the backward passes them (a function call's
+  gradient would hold them all until it returns: `CellFunctions.forward`); on serial devices,
+  where only a call runs one op at a time, it stays a call under the tape;
 - B(k, t): for a kept micro-batch, the gradient of that tape, then one call that adds the weight
   gradients to the cell's running sums; otherwise one call of cell k's backward function, which
   re-runs the forward (it waits for the upstream gradient: a call starts once all its inputs
@@ -225,8 +228,10 @@ class Executor:
                 tape = tf.GradientTape(watch_accessed_variables=False)
                 with tape:
                     tape.watch([v for v in x.leaves if is_float(v)] + sources[k])
-                    y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset,
-                                                                     seed[k])
+                    # Inline, so the backward frees the activations layer by layer; on
+                    # serial devices only a call runs one op at a time.
+                    y, next_offset, reports = self._cells[k].forward(
+                        thetas[k], x, offset, seed[k], inline=not self._serial)
                 state.tapes[(k, t)] = (tape, y)
             else:
                 y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset, seed[k])

@@ -10,18 +10,19 @@ once per micro-batch. Two kinds of names come out of that:
   by all T calls): `cell_{k}/fprop/...` (the forward), `cell_{k}/bprop/recompute/...` and
   `cell_{k}/bprop/...` (the re-computed forward and the backward of a re-materialised action),
   `cell_{k}/accumulate/...` (the weight-gradient sums), `cell_{k}/wgrad/...` (the weight
-  gradient of a split backward, added to the sums in the same function). TensorFlow names the
-  gradient of a
-  function it differentiates `gradients/<forward op>_grad/...` and tape gradients traced inside a
-  function `gradient_tape/<forward op>/...`.
+  gradient of a split backward, added to the sums in the same function);
+- a micro-batch that keeps its activations runs its forward inline at its call site
+  (`cell_{k}/fprop_mb_{t}/fprop/...`), and TensorFlow names the tape gradient of those ops
+  `gradient_tape/cell_{k}/fprop_mb_{t}/...` (tape gradients traced inside a function:
+  `gradient_tape/<forward op>/...`).
 
 With data-parallel replicas every name above is preceded by `replica_{r}/`. `parse` maps any of
 these to a `ParsedName`; a function-body op's micro-batch comes from the order in which its
 function ran (`trace_analysis.assign_micro_batches`).
 
 Example:
-    >>> parse("gradients/cell_1/fprop/dense/MatMul_grad/MatMul")
-    ParsedName(cell=1, phase='B', micro_batch=None, family='fprop_gradient', replica=0)
+    >>> parse("gradient_tape/cell_1/fprop_mb_3/fprop/dense/MatMul/MatMul")
+    ParsedName(cell=1, phase='B', micro_batch=3, family='fprop_gradient', replica=0)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ RECOMPUTE_SCOPE = "recompute"
 # Function families: which calls a function-body op belongs to.
 FPROP, BPROP, ACCUMULATE = "fprop", "bprop", "accumulate"
 WGRAD = "wgrad"  # The weight gradient W(k, t) of a split backward, summed into the cell's.
-FPROP_GRADIENT = "fprop_gradient"  # TensorFlow's gradient of the forward function.
+FPROP_GRADIENT = "fprop_gradient"  # The tape gradient of a kept (inline) forward.
 FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT, WGRAD)
 _FUNCTIONS = (FPROP, BPROP, ACCUMULATE, WGRAD)
 _CALL_KIND = {FORWARD: FPROP, BACKWARD: BPROP, WEIGHT: WGRAD}
@@ -101,8 +102,8 @@ def parse(name: str) -> ParsedName | None:
     return ParsedName(cell, phase, t, BPROP, replica)
 
 
-def function_runs(sched: Schedule,
-                  keep: frozenset[tuple[int, int]]) -> dict[tuple[int, str], list[int]]:
+def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
+                  kept_inline: bool = True) -> dict[tuple[int, str], list[int]]:
     """Per (cell, function family), the micro-batches of that function's calls in run order.
 
     `keep` is the remat plan (`remat.remat_plan`). A cell's actions run one after the other in
@@ -110,28 +111,34 @@ def function_runs(sched: Schedule,
     here: this is how a profiler trace, whose function-body ops carry no micro-batch, is mapped
     back to actions.
 
-    The families each action calls:
-      F(k, t): fprop.
-      B(k, t), whole backward: kept -> fprop_gradient, then accumulate unless it is the cell's
-        first weight gradient (which becomes the sums as it is); else bprop.
-      B(k, t), input gradient of a split backward: kept -> fprop_gradient; else bprop (the
-        re-computation stays in B); cell 0 computes none (its input needs no gradient).
+    The families each action calls. A kept micro-batch's forward and its gradient run inline
+    (`kept_inline`, the executor's choice except on serial devices), so their ops carry the
+    micro-batch and run no function; otherwise the forward is an fprop call and its gradient
+    TensorFlow's gradient function of that call (fprop_gradient):
+      F(k, t): fprop, unless kept and inline.
+      B(k, t), whole backward: kept -> (fprop_gradient if not inline,) then accumulate
+        unless it is the cell's first weight gradient (which becomes the sums as it is);
+        else bprop.
+      B(k, t), input gradient of a split backward: kept -> (fprop_gradient if not inline);
+        else bprop (the re-computation stays in B); cell 0 computes none (its input needs
+        no gradient).
       W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
     """
+    kept_gradient = [] if kept_inline else [FPROP_GRADIENT]
     runs: dict[tuple[int, str], list[int]] = {}
     for k in range(sched.num_cells):
         has_sums = False  # A kept backward's gradients become the sums if there are none yet.
         for action in sched.cell_order(k):
             t = action.micro_batch
             if action.phase is Phase.FORWARD:
-                families = [FPROP]
+                families = [] if (k, t) in keep and kept_inline else [FPROP]
             elif action.phase is Phase.WEIGHT:
                 families = [WGRAD]
             elif sched.splits_backward and k == 0:
                 families = []  # Cell 0's input gradient is not computed: W does the work.
             elif (k, t) in keep:
-                families = ([FPROP_GRADIENT] if sched.splits_backward or not has_sums
-                            else [FPROP_GRADIENT, ACCUMULATE])
+                families = kept_gradient + (
+                    [] if sched.splits_backward or not has_sums else [ACCUMULATE])
             else:
                 families = [BPROP]
             if action.phase is not Phase.FORWARD and (

@@ -292,20 +292,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "PipeliningLayer needs p.input_shapes (the shape of one mini-batch) to "
                 "estimate layer costs; set it, or use partition_method='uniform'/'explicit'."
             )
-        metas = []
-        shapes = (base_layer.to_shape(p.input_shapes),)
-        for i, lp in enumerate(p.layers):
-            try:
-                meta = lp.cls.FPropMeta(lp, *shapes)
-            except (ValueError, TypeError) as e:
-                source = f"the output of layer {i - 1}" if i else "p.input_shapes"
-                raise ValueError(
-                    f"Layer {i} ({lp.name or lp.cls.__name__}) cannot take {source} "
-                    f"(shapes {shapes}): {e}"
-                ) from e
-            metas.append(meta)
-            shapes = meta.out_shapes
-        return metas
+        return composite.chain_meta(p.layers, base_layer.to_shape(p.input_shapes),
+                                    input_name="p.input_shapes")
 
     @classmethod
     def ComputePartition(cls, p: hyperparams.Params) -> partition.Partition:  # noqa: N802

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
@@ -257,13 +258,22 @@ def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
 def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedule_name: str,
                       remat_mode: str, virtual_stages: int) -> dict[tuple[int, str], list[int]]:
     num_cells = 1 + max(p.cell for _, p in parsed)
+    # T: the runs of a forward function, or, where micro-batches kept their activations (their
+    # forwards run inline and name their micro-batch), the largest micro-batch named.
     forward_runs: dict[str, int] = {}
     for e, p in parsed:
         if p.family == op_names.FPROP and p.micro_batch is None:
             forward_runs[e.name] = forward_runs.get(e.name, 0) + 1
-    num_micro_batches = max(forward_runs.values(), default=1)
+    named = [p.micro_batch + 1 for _, p in parsed if p.micro_batch is not None]
+    num_micro_batches = max(max(forward_runs.values(), default=1), max(named, default=1))
     sched = schedule.make_schedule(schedule_name, num_cells, num_micro_batches, virtual_stages)
-    return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode))
+    # Kept forwards ran inline if their body's ops name their micro-batch (not so on serial
+    # devices, where they are calls).
+    kept_inline = any(_INLINE_FORWARD.search(e.name) for e, _ in parsed)
+    return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode), kept_inline)
+
+
+_INLINE_FORWARD = re.compile(r"cell_\d+/fprop_mb_\d+/fprop/")
 
 
 def merge_intervals(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

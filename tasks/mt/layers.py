@@ -103,24 +103,18 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
         p.Define("dropout_prob", 0.0, "Dropout on the embeddings (training only).")
         return p
 
-    @staticmethod
-    def _table_names(p: hyperparams.Params) -> tuple[str, ...]:
-        return ("emb",) if p.share_embeddings else ("src_emb", "tgt_emb")
-
     @classmethod
-    def _emb_params(cls, p: hyperparams.Params) -> hyperparams.Params:
-        return embedding.EmbeddingLayer.Params().Set(
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        """The embedding table(s) ('emb', or 'src_emb' and 'tgt_emb'), then 'dropout'."""
+        table = embedding.EmbeddingLayer.Params().Set(
             vocab_size=p.vocab_size, embedding_dim=p.model_dim, scale_sqrt_depth=True,
             **_common(p))
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        p = self.params
-        for name in self._table_names(p):
-            self.CreateChild(name, self._emb_params(p))
+        names = ("emb",) if p.share_embeddings else ("src_emb", "tgt_emb")
+        children: dict[str, Any] = {name: table.Copy() for name in names}
         if p.dropout_prob > 0.0:
-            self.CreateChild("dropout", dropout.DropoutLayer.Params().Set(
-                keep_prob=1.0 - p.dropout_prob, **_common(p)))
+            children["dropout"] = dropout.DropoutLayer.Params().Set(
+                keep_prob=1.0 - p.dropout_prob, **_common(p))
+        return children
 
     def _embed(self, theta: NestedMap, table: str, ids: tf.Tensor,
                paddings: tf.Tensor | None) -> tf.Tensor:
@@ -159,17 +153,18 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
         inputs = _check_map(base_layer.to_shape(inputs),
                             ("src_ids", "src_paddings", "tgt_ids") + _TARGET_FIELDS, cls.__name__)
-        emb_p = cls._emb_params(p)
-        flops, num_params = 0.0, 0
+        children = cls.declare_children(p)
+        tables = [c for c in children.values() if c.cls is embedding.EmbeddingLayer]
+        flops = 0.0
         out = NestedMap(src_paddings=inputs.src_paddings)
         for field, ids in (("x", inputs.src_ids), ("y", inputs.tgt_ids)):
-            meta = embedding.EmbeddingLayer.FPropMeta(emb_p, ids)
+            meta = tables[0].cls.FPropMeta(tables[0], ids)
             n = meta.out_shapes[0].num_elements()
             flops += meta.flops + _POSITION_FLOPS_PER_ELEMENT * n + n  # Positions, pad mask.
-            if p.dropout_prob > 0.0:
+            if "dropout" in children:
                 flops += 3 * n
             out[field] = meta.out_shapes[0]
-        num_params = len(cls._table_names(p)) * p.vocab_size * p.model_dim
+        num_params = len(tables) * p.vocab_size * p.model_dim
         for k in _TARGET_FIELDS:
             out[k] = inputs[k]
         return _meta(flops, out, num_params, p)
@@ -190,21 +185,16 @@ class _AttentionBlock(base_layer.BaseLayer):
         return p
 
     @classmethod
-    def _child_params(cls, p: hyperparams.Params) -> NestedMap:
-        out = NestedMap(
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        out = dict(
             ln=normalization.LayerNorm.Params().Set(input_dim=p.model_dim, **_common(p)),
             atten=attention.MultiHeadedAttention.Params().Set(
                 input_dim=p.model_dim, hidden_dim=p.atten_hidden_dim, num_heads=p.num_heads,
                 causal_mask=p.causal, atten_dropout_prob=p.atten_dropout_prob, **_common(p)))
         if p.residual_dropout_prob > 0.0:
-            out.dropout = dropout.DropoutLayer.Params().Set(
+            out["dropout"] = dropout.DropoutLayer.Params().Set(
                 keep_prob=1.0 - p.residual_dropout_prob, **_common(p))
         return out
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        for name, child in self._child_params(self.params).items():
-            self.CreateChild(name, child)
 
     def FProp(self, theta: NestedMap, x: tf.Tensor, paddings: tf.Tensor | None,  # noqa: N802
               memory: tf.Tensor | None = None) -> tf.Tensor:
@@ -222,9 +212,9 @@ class _AttentionBlock(base_layer.BaseLayer):
                   ) -> NestedMap:
         x = tf.TensorShape(x)
         kv = x if memory is None else tf.TensorShape(memory)
-        children = cls._child_params(p)
-        ln = normalization.LayerNorm.FPropMeta(children.ln, x)
-        att = attention.MultiHeadedAttention.FPropMeta(children.atten, x, kv, kv, kv[:2])
+        children = cls.declare_children(p)
+        ln = children["ln"].cls.FPropMeta(children["ln"], x)
+        att = children["atten"].cls.FPropMeta(children["atten"], x, kv, kv, kv[:2])
         n = x.num_elements()
         flops = ln.flops + att.flops + n + (3 * n if "dropout" in children else 0)
         return base_layer.fprop_meta(flops, x, ln.num_params + att.num_params,
@@ -270,11 +260,10 @@ def _check_dims(p: hyperparams.Params, where: str) -> None:
 class EncoderLayer(_TransformerLayer):
     """One Transformer encoder layer on `x`: self-attention (masked by src_paddings), then FFN."""
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        _check_dims(self.params, self.path)
-        self.CreateChild("self_atten", _block_params(self.params, causal=False))
-        self.CreateChild("ffn", _ffn_params(self.params))
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        _check_dims(p, p.name or cls.__name__)
+        return {"self_atten": _block_params(p, causal=False), "ffn": _ffn_params(p)}
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
         inputs = _check_map(inputs, ("x", "src_paddings"), self.path)
@@ -286,11 +275,11 @@ class EncoderLayer(_TransformerLayer):
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "src_paddings"), cls.__name__)
-        _check_dims(p, cls.__name__)
+        children = cls.declare_children(p)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
-        att = _AttentionBlock.FPropMeta(_block_params(p, False), x)
-        ffn = feedforward.FeedForwardLayer.FPropMeta(_ffn_params(p), x)
-        return _meta(att.flops + ffn.flops, inputs.copy(), att.num_params + ffn.num_params, p)
+        metas = [c.cls.FPropMeta(c, x) for c in children.values()]
+        return _meta(sum(m.flops for m in metas), inputs.copy(),
+                     sum(m.num_params for m in metas), p)
 
 
 class EncoderToDecoderLayer(base_layer.BaseLayer):
@@ -306,10 +295,10 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         p.Define("model_dim", 0, "Model dimension D.")
         return p
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        self.CreateChild("ln", normalization.LayerNorm.Params().Set(
-            input_dim=self.params.model_dim, **_common(self.params)))
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        return {"ln": normalization.LayerNorm.Params().Set(input_dim=p.model_dim,
+                                                           **_common(p))}
 
     def EncoderOutput(self, theta: NestedMap, x: tf.Tensor,  # noqa: N802
                       src_paddings: tf.Tensor) -> tf.Tensor:
@@ -330,8 +319,8 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "src_paddings", "y")
                             + _TARGET_FIELDS, cls.__name__)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
-        ln = normalization.LayerNorm.FPropMeta(
-            normalization.LayerNorm.Params().Set(input_dim=p.model_dim), x)
+        ln_p = cls.declare_children(p)["ln"]
+        ln = ln_p.cls.FPropMeta(ln_p, x)
         out = NestedMap(x=inputs.y, encoder_output=x, src_paddings=inputs.src_paddings)
         for k in _TARGET_FIELDS:
             out[k] = inputs[k]
@@ -341,12 +330,11 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
 class DecoderLayer(_TransformerLayer):
     """One decoder layer on `x`: causal self-attention, attention to encoder_output, FFN."""
 
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        _check_dims(self.params, self.path)
-        self.CreateChild("self_atten", _block_params(self.params, causal=True))
-        self.CreateChild("cross_atten", _block_params(self.params, causal=False))
-        self.CreateChild("ffn", _ffn_params(self.params))
+    @classmethod
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        _check_dims(p, p.name or cls.__name__)
+        return {"self_atten": _block_params(p, causal=True),
+                "cross_atten": _block_params(p, causal=False), "ffn": _ffn_params(p)}
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
         inputs = _check_map(inputs, ("x", "tgt_paddings", "encoder_output", "src_paddings"),
@@ -363,12 +351,12 @@ class DecoderLayer(_TransformerLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
         inputs = _check_map(base_layer.to_shape(inputs),
                             ("x", "tgt_paddings", "encoder_output", "src_paddings"), cls.__name__)
-        _check_dims(p, cls.__name__)
+        children = cls.declare_children(p)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
         enc = _shape3(inputs.encoder_output, p.model_dim, "encoder_output", cls.__name__)
-        metas = [_AttentionBlock.FPropMeta(_block_params(p, True), x),
-                 _AttentionBlock.FPropMeta(_block_params(p, False), x, enc),
-                 feedforward.FeedForwardLayer.FPropMeta(_ffn_params(p), x)]
+        metas = [c.cls.FPropMeta(c, *shapes) for c, shapes in (
+            (children["self_atten"], (x,)), (children["cross_atten"], (x, enc)),
+            (children["ffn"], (x,)))]
         return _meta(sum(m.flops for m in metas), inputs.copy(),
                      sum(m.num_params for m in metas), p)
 
@@ -389,17 +377,12 @@ class SoftmaxLayer(base_layer.BaseLayer):
         return p
 
     @classmethod
-    def _child_params(cls, p: hyperparams.Params) -> NestedMap:
-        return NestedMap(
+    def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
+        return dict(
             ln=normalization.LayerNorm.Params().Set(input_dim=p.model_dim, **_common(p)),
             softmax=losses.SoftmaxCrossEntropyLayer.Params().Set(
                 input_dim=p.model_dim, num_classes=p.vocab_size,
                 label_smoothing=p.label_smoothing, **_common(p)))
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        for name, child in self._child_params(self.params).items():
-            self.CreateChild(name, child)
 
     def Logits(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:  # noqa: N802
         """Decoder output [B, T, D] -> float32 logits [B, T, vocab_size]."""
@@ -429,9 +412,9 @@ class SoftmaxLayer(base_layer.BaseLayer):
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "tgt_labels", "tgt_weights"),
                             cls.__name__)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
-        children = cls._child_params(p)
-        ln = normalization.LayerNorm.FPropMeta(children.ln, x)
-        sm = losses.SoftmaxCrossEntropyLayer.FPropMeta(children.softmax, x)
+        children = cls.declare_children(p)
+        ln = children["ln"].cls.FPropMeta(children["ln"], x)
+        sm = children["softmax"].cls.FPropMeta(children["softmax"], x)
         # Plus the unsmoothed NLL and accuracy: ~3 flops per logit.
         flops = ln.flops + sm.flops + 3 * x[:2].num_elements() * p.vocab_size
         scalar = tf.TensorShape([])
