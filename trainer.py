@@ -2,6 +2,15 @@
 
     python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=train
     tensorboard --logdir /tmp/amoeba
+    python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=eval
+    python trainer.py --mode=list_models
+    python trainer.py --model=image.AmoebaNetDigits --mode=inspect_model --inspect_num_cells=2,4
+    python trainer.py --model=image.AmoebaNetDigits --mode=plan --plan_devices=8 \\
+        --plan_memory_per_device=16GiB
+
+Each invocation is `lingvo_lite.training.main(RunOptions(...))` after this file declares where
+the models live (`model_registry.add_model_package("model_params")`); that function's
+docstring runs the modes that need no logdir in-process, as a tested example.
 
 Modes:
   train           train to train.max_steps, resuming from the latest checkpoint in --logdir;
@@ -65,7 +74,12 @@ from absl import logging as absl_logging
 from lingvo_lite.training import interrupts
 from lingvo_lite.training import options as options_lib
 
+__all__ = ["main"]
+
 TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+# Where this repository's registered models live (`--model=image.AmoebaNetDigits` is
+# `AmoebaNetDigits` in model_params/image.py).
+MODEL_PACKAGE = "model_params"
 
 _MODEL = flags.DEFINE_string("model", None, "Registered model name or module.path.ClassName.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Directory of checkpoints and summaries.")
@@ -195,7 +209,10 @@ def main(argv: list[str]) -> None:
         os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
         _import_tensorflow_quietly()
     # Imported only now: it loads TensorFlow, which the checks above do not need.
+    from lingvo_lite import model_registry
     from lingvo_lite.training import runner
+
+    model_registry.add_model_package(MODEL_PACKAGE)
 
     sys.exit(runner.main(opts))
 

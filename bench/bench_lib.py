@@ -282,23 +282,23 @@ def interleaved(steps: dict[str, tuple[Callable, object]], rounds: int, iters: i
 
 def profiled_steps(fn: Callable, arg, num_steps: int = 3) -> tuple[list[list], str]:
     """Runs `fn(arg)` num_steps times under the TF profiler; each step's op events (one list
-    per step, see lingvo_lite.pipeline.timeline) and the trace's logdir."""
+    per step, see lingvo_lite.pipeline.trace_analysis) and the trace's logdir."""
     import tempfile
 
     import tensorflow as tf
 
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import trace_analysis
 
     logdir = tempfile.mkdtemp(prefix="bench_profile_")
     tf.profiler.experimental.start(logdir)
     for i in range(num_steps):
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=i, _r=1):
+        with tf.profiler.experimental.Trace(trace_analysis.STEP_TRACE_NAME, step_num=i, _r=1):
             float(fn(arg))
     tf.profiler.experimental.stop()
-    spaces = timeline.load_xspaces(logdir)
-    events = timeline.op_events(spaces)
-    return ([timeline.events_in(events, start, end)
-             for _, start, end in timeline.step_windows(spaces)], logdir)
+    spaces = trace_analysis.load_xspaces(logdir)
+    events = trace_analysis.op_events(spaces)
+    return ([trace_analysis.events_in(events, start, end)
+             for _, start, end in trace_analysis.step_windows(spaces)], logdir)
 
 
 def median(values) -> float:

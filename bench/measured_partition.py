@@ -9,7 +9,7 @@ prints, per partition:
 - the cells' sizes and the imbalance (max / mean cell cost) the cost model predicts, and the
   imbalance the measured layer profile gives the same split;
 - the busy-time imbalance really measured: max / mean of the devices' busy time in the TF
-  profiler timeline of `--profile_steps` steps (lingvo_lite/pipeline/timeline.py), the mean
+  profiler timeline of `--profile_steps` steps (lingvo_lite/pipeline/trace_analysis.py), the mean
   over those steps, of the same split on the shared pool (serial devices run their ops on
   TensorFlow's single-threaded executor, which the profiler does not trace op by op);
 - the median step time over interleaved rounds, and the speedup over one serial device
@@ -84,12 +84,12 @@ def _busy_imbalance(step, batch, num_cells: int, num_steps: int) -> float:
     """Mean over `num_steps` profiled steps of max / mean device busy time."""
     import bench_lib
 
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import trace_analysis
 
     float(step(batch))  # Traced and run once before the profiled steps.
     ratios = []
     for events in bench_lib.profiled_steps(step, batch, num_steps)[0]:
-        busy = timeline.compute_breakdown(events, num_cells).device_busy
+        busy = trace_analysis.compute_breakdown(events, num_cells).device_busy
         ratios.append(max(busy) * num_cells / sum(busy))
     return float(statistics.mean(ratios))
 

@@ -38,16 +38,16 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 def _idle_per_device(events, schedule_name: str, remat: str, virtual_stages: int,
                      num_devices: int) -> float:
     """Mean over devices of their idle share of the pipelined phase (first to last cell op)."""
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import trace_analysis
 
-    classified = timeline.classify_events(events, schedule_name, remat, virtual_stages)
+    classified = trace_analysis.classify_events(events, schedule_name, remat, virtual_stages)
     busy: dict[int, list[tuple[int, int]]] = {}
     for e, cell, _, _ in classified:
         busy.setdefault(cell % num_devices, []).append((e.start_ns, e.end_ns))
     first = min(s for iv in busy.values() for s, _ in iv)
     last = max(e for iv in busy.values() for _, e in iv)
     span = max(last - first, 1)
-    return statistics.mean(1.0 - timeline.union_ns(busy.get(d, [])) / span
+    return statistics.mean(1.0 - trace_analysis.union_ns(busy.get(d, [])) / span
                            for d in range(num_devices))
 
 

@@ -93,10 +93,10 @@ def fig_speedup_serial() -> dict:
 
 def _profile_step(fn, batch) -> dict:
     """Captures 3 steps with the TF profiler; the breakdown of each, and the middle one's boxes."""
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import trace_analysis
 
     step_events, logdir = bench_lib.profiled_steps(fn, batch, 3)
-    steps = [timeline.compute_breakdown(evs, 2).as_scalars(prefix="") for evs in step_events]
+    steps = [trace_analysis.compute_breakdown(evs, 2).as_scalars(prefix="") for evs in step_events]
     return {"steps": steps, "logdir": logdir}
 
 
@@ -219,6 +219,7 @@ def fig_partition() -> dict:
     from lingvo_lite.pipeline import pipelining_layer
     from lingvo_lite.training import model_config
 
+    model_registry.add_model_package("model_params")  # As trainer.py does.
     rows = []
     for name in model_registry.list_models():
         try:

@@ -23,6 +23,8 @@ import tensorflow as tf
 from lingvo_lite import hyperparams
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["BaseInputGenerator"]
+
 
 class BaseInputGenerator:
     """Builds a batched, seeded `tf.data.Dataset` of `NestedMap`s from single examples."""

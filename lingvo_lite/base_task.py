@@ -17,18 +17,20 @@ from lingvo_lite import (
     base_layer,
     fprop_context,
     hyperparams,
-    lr_schedule,
+    learning_rate,
     optimizers,
     warm_start,
 )
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import tpu
 
+__all__ = ["BaseTask", "scalar_outputs"]
+
 
 def _train_params() -> hyperparams.Params:
     tp = hyperparams.Params()
     tp.Define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
-    tp.Define("lr_schedule", lr_schedule.Constant.Params(), "Learning-rate schedule params.")
+    tp.Define("lr_schedule", learning_rate.Constant.Params(), "Learning-rate schedule params.")
     tp.Define("optimizer", optimizers.Adam.Params(), "Optimizer params.")
     tp.Define("clip_gradient_norm_to_value", 0.0,
               "Clip the global gradient norm to this value; 0 disables clipping.")

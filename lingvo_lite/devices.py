@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+__all__ = ["configure_logical_cpus"]
+
 
 def configure_logical_cpus(
     num_devices: int,
@@ -73,8 +75,3 @@ def _set_threads(intra_op_threads: int | None, inter_op_threads: int | None) -> 
                 "Thread pools can only be sized before TensorFlow starts; "
                 f"requested {value}, runtime has {getter()}."
             ) from e
-
-
-def logical_device_names(device_type: str = "CPU") -> list[str]:
-    """Names of the logical devices of `device_type` ('CPU', 'GPU', 'TPU')."""
-    return [d.name for d in tf.config.list_logical_devices(device_type)]

@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from lingvo_lite.pipeline import tpu
 
+__all__ = ["current", "fprop_context", "FPropContext", "UpdateCollector"]
+
 
 class UpdateCollector:
     """Gathers per-call statistics from layers, keyed by layer, in call order."""

@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from lingvo_lite import dotted_path
+
+__all__ = ["CopyFieldsTo", "InstantiableParams", "Params"]
+
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
-_PATH_SEGMENT_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\[\]]*\])*)$")
-_INDEX_RE = re.compile(r"\[([^\[\]]*)\]")
 
 
 class _Param:
@@ -350,18 +352,7 @@ def _split_overrides(text: str) -> list[str]:
 
 def _split_path(path: str) -> list[tuple[str, str]]:
     """Splits `a.b[0].c` into [('attr','a'), ('attr','b'), ('index','0'), ('attr','c')]."""
-    if not isinstance(path, str) or not path:
-        raise AttributeError(f"Param name must be a non-empty str like 'a.b[0].c', got {path!r}.")
-    tokens: list[tuple[str, str]] = []
-    for seg in path.split("."):
-        m = _PATH_SEGMENT_RE.match(seg)
-        if not m:
-            raise AttributeError(
-                f"Malformed param name {path!r} (segment {seg!r}); expected e.g. 'a.b[0].c'."
-            )
-        tokens.append(("attr", m.group(1)))
-        tokens.extend(("index", i.strip()) for i in _INDEX_RE.findall(m.group(2)))
-    return tokens
+    return dotted_path.split(path, "param name", AttributeError)
 
 
 def _index_key(container: Any, token: str) -> Any:

@@ -9,13 +9,12 @@ NestedMaps (not plain dicts) in `tf.nest.map_structure` / `tf.nest.pack_sequence
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-# One segment of a dotted path: a name followed by any number of `[index]` suffixes.
-_SEGMENT_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[-?[0-9]+\])*)$")
-_INDEX_RE = re.compile(r"\[(-?[0-9]+)\]")
+from lingvo_lite import dotted_path
+
+__all__ = ["NestedMap"]
 
 _DELETE = object()  # Sentinel: "this sub-tree was filtered away entirely".
 
@@ -99,18 +98,8 @@ def _to_nested_map(x: Any) -> Any:
 
 def _split_path(key: str) -> list[str | int]:
     """Splits `a.b[0].c` into ['a', 'b', 0, 'c']; raises ValueError on malformed paths."""
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"NestedMap path must be a non-empty str like 'a.b[0].c', got {key!r}.")
-    tokens: list[str | int] = []
-    for seg in key.split("."):
-        m = _SEGMENT_RE.match(seg)
-        if not m:
-            raise ValueError(
-                f"Malformed NestedMap path {key!r} (segment {seg!r}); expected 'a.b[0].c'."
-            )
-        tokens.append(m.group(1))
-        tokens.extend(int(i) for i in _INDEX_RE.findall(m.group(2)))
-    return tokens
+    return [name if kind == "attr" else int(name)
+            for kind, name in dotted_path.split(key, "NestedMap path", ValueError, r"-?[0-9]+")]
 
 
 class NestedMap(dict):

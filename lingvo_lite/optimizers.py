@@ -16,6 +16,8 @@ import tensorflow as tf
 from lingvo_lite import hyperparams
 from lingvo_lite.pipeline import tpu
 
+__all__ = ["Adam", "BaseOptimizer", "RMSProp", "SGD"]
+
 
 class BaseOptimizer:
     """Applies gradients with a given learning rate; owns the slot variables."""

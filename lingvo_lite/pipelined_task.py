@@ -12,6 +12,8 @@ from lingvo_lite import base_task, hyperparams
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
+__all__ = ["PipelinedTask"]
+
 
 class PipelinedTask(base_task.BaseTask):
     """A BaseTask with `p.network`, a PipeliningLayer that ends with a loss layer."""

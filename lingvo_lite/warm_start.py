@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 from absl import logging
 
+__all__: list[str] = []
+
 
 def checkpoint_key(name: str) -> str:
     """The key under which `tf.train.Checkpoint(model={name: var})` stores a variable."""

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+__all__ = ["derive_seed", "initial_value", "WeightInit", "WeightParams"]
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightInit:

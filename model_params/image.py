@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.image import amoebanet, classifier, input_generator
+
+__all__ = [
+    "AmoebaNetB_6_512",
+    "AmoebaNetD_12_544",
+    "AmoebaNetD_24_512",
+    "AmoebaNetD_6_208",
+    "AmoebaNetD_6_416",
+    "AmoebaNetD_6_544",
+    "AmoebaNetDigits",
+]
 
 IMAGENET_TRAIN_EXAMPLES = 1_281_167
 
 
 @model_registry.register
-class AmoebaNetDigits(model_registry.SingleTaskModelParams):
+class AmoebaNetDigits(model_registry.SplitInputModelParams):
     """Small AmoebaNet-D on the 1,797 bundled 8x8 digits, pipelined over 2 cells (a few minutes)."""
 
     BATCH_SIZE = 32
     EVAL_BATCH_SIZE = 40  # Divides the 200 dev and test examples: every one is evaluated.
     IMAGE_SIZE = 16
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.DigitsInput.Params().Set(
             name=f"digits_{split}", split=split, image_size=self.IMAGE_SIZE,
             batch_size=self.BATCH_SIZE)
@@ -24,15 +34,6 @@ class AmoebaNetDigits(model_registry.SingleTaskModelParams):
             p.Set(shuffle=False, repeat=False, drop_remainder=True,
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Network(self) -> hyperparams.Params:  # noqa: N802
         """AmoebaNet-D with a CIFAR-style stem, L=1 normal cell per stack and F=16."""
@@ -49,14 +50,14 @@ class AmoebaNetDigits(model_registry.SingleTaskModelParams):
         p.random_seed = 1
         p.train.Set(
             learning_rate=2e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=20, total_steps=400, final_factor=0.05),
             max_steps=400, save_interval_steps=100, summary_interval_steps=10,
             log_interval_steps=25, eval_interval_steps=200)
         return p
 
 
-class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
+class _AmoebaNetImageNet(model_registry.SplitInputModelParams):
     """GPipe's AmoebaNet recipe on ImageNet (tfds `imagenet2012` prepared in DATA_DIR)."""
 
     VARIANT = "D"
@@ -67,20 +68,15 @@ class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
     NUM_CELLS = 4
     NUM_MICRO_BATCHES = 8
     DATA_DIR = "~/tensorflow_datasets"
+    SPLITS = ("train", "dev")
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.TfdsImageInput.Params().Set(
             name=f"imagenet_{split}", dataset_name="imagenet2012", data_dir=self.DATA_DIR,
             split=split, image_size=self.IMAGE_SIZE, num_channels=3, batch_size=self.BATCH_SIZE)
         if split != "train":
             p.Set(shuffle=False, repeat=False)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
 
     def Network(self) -> hyperparams.Params:  # noqa: N802
         return amoebanet.AmoebaNetParams().Set(
@@ -98,7 +94,7 @@ class _AmoebaNetImageNet(model_registry.SingleTaskModelParams):
         p.train.Set(
             learning_rate=0.00125 * self.BATCH_SIZE,
             optimizer=optimizers.RMSProp.Params().Set(decay=0.9, momentum=0.9, epsilon=0.1),
-            lr_schedule=lr_schedule.ExponentialDecay.Params().Set(
+            lr_schedule=learning_rate.ExponentialDecay.Params().Set(
                 decay_rate=0.97, decay_steps=3 * steps_per_epoch, staircase=True,
                 warmup_steps=steps_per_epoch),
             l2_regularizer_weight=4e-5, max_steps=100 * steps_per_epoch,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import keras
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from lingvo_lite.keras import KerasTask, pipeline_params
 from tasks.image import input_generator
+
+__all__ = ["residual_block", "resnet_layers", "ResNetDigits"]
 
 # Keras' default (0.99) averages over ~100 steps: too slow for a 300-step run.
 BN_MOMENTUM = 0.9
@@ -44,14 +46,14 @@ def resnet_layers(image_size: int = 8, filters: int = 16,
 
 
 @model_registry.register
-class ResNetDigits(model_registry.SingleTaskModelParams):
+class ResNetDigits(model_registry.SplitInputModelParams):
     """A small ResNet written as plain Keras layers on the bundled 8x8 digits (K=2, T=2)."""
 
     BATCH_SIZE = 32
     EVAL_BATCH_SIZE = 40  # Divides the 200 dev and test examples.
     IMAGE_SIZE = 8
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.DigitsInput.Params().Set(
             name=f"digits_{split}", split=split, image_size=self.IMAGE_SIZE, num_channels=1,
             batch_size=self.BATCH_SIZE, random_flip=False)
@@ -59,15 +61,6 @@ class ResNetDigits(model_registry.SingleTaskModelParams):
             p.Set(shuffle=False, repeat=False, drop_remainder=True,
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = KerasTask.Params().Set(name="resnet_digits", input_field="image",
@@ -81,7 +74,7 @@ class ResNetDigits(model_registry.SingleTaskModelParams):
         p.random_seed = 1
         p.train.Set(
             learning_rate=3e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=20, total_steps=400, final_factor=0.05),
             max_steps=400, save_interval_steps=100, summary_interval_steps=10,
             log_interval_steps=25, eval_interval_steps=200)

@@ -11,12 +11,21 @@ reproduces all five of its parameter counts, so that is what these configuration
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, lr_schedule, model_registry, optimizers
+from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
 from tasks.mt import input_generator, model
+
+__all__ = [
+    "TransformerSmall",
+    "TransformerT12_16384_32",
+    "TransformerT24_8192_16",
+    "TransformerT32_16384_32",
+    "TransformerT64_16384_32",
+    "TransformerT6_8192_16",
+]
 
 
 @model_registry.register
-class TransformerSmall(model_registry.SingleTaskModelParams):
+class TransformerSmall(model_registry.SplitInputModelParams):
     """2+2-layer Transformer on the generated English->German corpus, pipelined over 2 cells."""
 
     DATA_DIR = input_generator.DEFAULT_DATA_DIR
@@ -34,7 +43,7 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
     NUM_MICRO_BATCHES = 2
     MAX_STEPS = 1000
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.ParallelTextInput.Params().Set(
             name=f"mt_{split}", data_dir=self.DATA_DIR, generate=self.GENERATE, split=split,
             vocab_size=self.VOCAB_SIZE, max_source_length=self.MAX_SOURCE_LENGTH,
@@ -42,15 +51,6 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
         if split != "train":
             p.Set(shuffle=False, repeat=False, batch_size=self.EVAL_BATCH_SIZE)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = model.transformer_task_params(
@@ -62,14 +62,14 @@ class TransformerSmall(model_registry.SingleTaskModelParams):
         p.decoder.Set(beam_size=4, length_penalty=0.6)
         p.train.Set(
             learning_rate=2e-3, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.CosineDecay.Params().Set(
+            lr_schedule=learning_rate.CosineDecay.Params().Set(
                 warmup_steps=100, total_steps=self.MAX_STEPS, final_factor=0.05),
             clip_gradient_norm_to_value=1.0, max_steps=self.MAX_STEPS, save_interval_steps=500,
             summary_interval_steps=20, log_interval_steps=100, eval_interval_steps=500)
         return p
 
 
-class _GPipeTransformer(model_registry.SingleTaskModelParams):
+class _GPipeTransformer(model_registry.SplitInputModelParams):
     """GPipe's T(L, H, A) on the user's parallel text in DATA_DIR (64k sentencepiece vocab)."""
 
     NUM_LAYERS = 6  # L: encoder layers = decoder layers.
@@ -83,7 +83,7 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
     NUM_CELLS = 2
     NUM_MICRO_BATCHES = 16
 
-    def _input(self, split: str) -> hyperparams.Params:
+    def split_input(self, split: str) -> hyperparams.Params:
         p = input_generator.ParallelTextInput.Params().Set(
             name=f"mt_{split}", data_dir=self.DATA_DIR, generate="", split=split,
             vocab_size=self.VOCAB_SIZE, max_source_length=self.MAX_LENGTH,
@@ -91,15 +91,6 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
         if split != "train":
             p.Set(shuffle=False, repeat=False)
         return p
-
-    def Train(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("train")
-
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("dev")
-
-    def Test(self) -> hyperparams.Params:  # noqa: N802
-        return self._input("test")
 
     def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
         p = model.transformer_task_params(
@@ -110,7 +101,7 @@ class _GPipeTransformer(model_registry.SingleTaskModelParams):
             share_embeddings=True, label_smoothing=0.1, dropout_prob=0.1)
         p.train.Set(
             learning_rate=1.0, optimizer=optimizers.Adam.Params(),
-            lr_schedule=lr_schedule.TransformerSchedule.Params().Set(
+            lr_schedule=learning_rate.TransformerSchedule.Params().Set(
                 warmup_steps=4000, model_dim=self.MODEL_DIM),
             clip_gradient_norm_to_value=1.0, max_steps=500_000, save_interval_steps=5000,
             summary_interval_steps=100, log_interval_steps=100)

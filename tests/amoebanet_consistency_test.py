@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import lr_schedule, model_registry
+from lingvo_lite import learning_rate, model_registry
 from lingvo_lite.nested_map import NestedMap
 from tasks.image import amoebanet
 
@@ -25,7 +25,7 @@ def train_losses(num_cells: int, num_micro_batches: int = 2) -> list[float]:
     task_p = model.Task()
     task_p.network.Set(layers=amoebanet.amoebanet_layers(net), num_cells=num_cells,
                        num_micro_batches=num_micro_batches)
-    task_p.train.Set(learning_rate=3e-3, lr_schedule=lr_schedule.Constant.Params())
+    task_p.train.Set(learning_rate=3e-3, lr_schedule=learning_rate.Constant.Params())
     task = task_p.Instantiate()
     task.prepare_for_training()
     # One fixed batch, so the curve must fall; masks still change with the step.

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import unittest
 
-from lingvo_lite.pipeline import breakdown_advice, timeline
+from lingvo_lite.pipeline import breakdown_advice, trace_analysis
 
 CONFIG = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=8)
 
 
-def _breakdown(busy0: float, busy1: float, bubble: float) -> timeline.Breakdown:
+def _breakdown(busy0: float, busy1: float, bubble: float) -> trace_analysis.Breakdown:
     """A 100 ms step: 5% setup, 5% weight update, devices busy busy0 and busy1 of it."""
     pipelined = 0.9
     mean = (busy0 + busy1) / 2
-    return timeline.Breakdown(
+    return trace_analysis.Breakdown(
         step_ns=100_000_000, setup=0.05, compute=mean, recompute=0.0,
         load_imbalance=max(busy0, busy1) - mean, bubble=bubble, weight_update=0.05,
         device_busy=(busy0, busy1),

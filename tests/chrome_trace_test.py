@@ -7,19 +7,21 @@ import os
 import tempfile
 import unittest
 
-from lingvo_lite.pipeline import chrome_trace, ideal_timeline, schedule, timeline
+from trace_readers import boxes_from_trace
+
+from lingvo_lite.pipeline import chrome_trace, ideal_timeline, schedule, trace_analysis
 
 ORIGIN = 1_732_000_000_123_456_789  # A profiler clock reading: ns since the epoch.
 BOXES = [
-    timeline.Box(0, "F", 0, ORIGIN, ORIGIN + 1_500, 1_200, 4,
+    trace_analysis.Box(0, "F", 0, ORIGIN, ORIGIN + 1_500, 1_200, 4,
                  ((ORIGIN, ORIGIN + 700), (ORIGIN + 1_000, ORIGIN + 1_500))),
-    timeline.Box(1, "F", 0, ORIGIN + 1_600, ORIGIN + 2_601, 1_001, 2,
+    trace_analysis.Box(1, "F", 0, ORIGIN + 1_600, ORIGIN + 2_601, 1_001, 2,
                  ((ORIGIN + 1_600, ORIGIN + 2_601),)),
-    timeline.Box(1, "B", 0, ORIGIN + 2_700, ORIGIN + 4_000, 1_300, 7,
+    trace_analysis.Box(1, "B", 0, ORIGIN + 2_700, ORIGIN + 4_000, 1_300, 7,
                  ((ORIGIN + 2_700, ORIGIN + 4_000),)),
-    timeline.Box(0, "R", 0, ORIGIN + 4_100, ORIGIN + 4_600, 500, 3,
+    trace_analysis.Box(0, "R", 0, ORIGIN + 4_100, ORIGIN + 4_600, 500, 3,
                  ((ORIGIN + 4_100, ORIGIN + 4_600),)),
-    timeline.Box(0, "B", 0, ORIGIN + 4_600, ORIGIN + 6_000, 1_400, 9,
+    trace_analysis.Box(0, "B", 0, ORIGIN + 4_600, ORIGIN + 6_000, 1_400, 9,
                  ((ORIGIN + 4_600, ORIGIN + 6_000),)),
 ]
 
@@ -52,7 +54,7 @@ class ChromeTraceTest(unittest.TestCase):
             trace = json.load(f)
         check_trace_event_format(self, trace)
         self.assertEqual(sorted(BOXES, key=lambda b: (b.cell, b.start_ns)),
-                         chrome_trace.boxes_from_trace(trace))
+                         boxes_from_trace(trace))
 
     def test_one_named_track_per_device_and_box_names(self):
         trace = chrome_trace.trace_events(BOXES, step=7)
@@ -75,7 +77,7 @@ class ChromeTraceTest(unittest.TestCase):
         us = 1000
 
         def box(phase, mb, start, end):
-            return timeline.Box(0, phase, mb, start * us, end * us, (end - start) * us, 1,
+            return trace_analysis.Box(0, phase, mb, start * us, end * us, (end - start) * us, 1,
                                 ((start * us, end * us),))
 
         boxes = [box("F", 1, 0, 10), box("B", 0, 5, 20), box("R", 1, 20, 25)]
@@ -94,7 +96,7 @@ class ChromeTraceTest(unittest.TestCase):
                  if e["ph"] == "M" and e["name"] == "thread_name"}
         self.assertEqual(["device 0", "device 0 (overlapping 1)"], sorted(names.values()))
         self.assertEqual(sorted(boxes, key=lambda b: b.start_ns),
-                         chrome_trace.boxes_from_trace(trace))
+                         boxes_from_trace(trace))
 
     def test_prediction_is_a_second_process_that_round_trips(self):
         predicted = ideal_timeline.predict_from_measured(
@@ -103,7 +105,7 @@ class ChromeTraceTest(unittest.TestCase):
         check_trace_event_format(self, trace)
         pids = {e["pid"] for e in trace["traceEvents"]}
         self.assertEqual({chrome_trace.MEASURED_PID, chrome_trace.PREDICTED_PID}, pids)
-        self.assertEqual(predicted, chrome_trace.boxes_from_trace(
+        self.assertEqual(predicted, boxes_from_trace(
             json.loads(json.dumps(trace)), pid=chrome_trace.PREDICTED_PID))
 
 

@@ -1,11 +1,20 @@
-"""Test-session setup that must run before TensorFlow executes any op.
+"""Test-session setup that must run before TensorFlow executes any op, and shared helpers.
 
 Logical CPU devices and thread pools can only be configured before the runtime
 initialises, so this runs at import time of the test session. Eight logical
 devices let the pipeline tests place up to K=8 cells on distinct devices.
+
+Tests that start processes (`from conftest import launch_trainer, stop_processes`) stop only
+what they started, by PID.
 """
 
+from __future__ import annotations
+
+import hashlib
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -13,8 +22,54 @@ from lingvo_lite import devices  # noqa: E402
 
 devices.configure_logical_cpus(8)
 
+from lingvo_lite import model_registry  # noqa: E402
+
+# As trainer.py does: the repository's registered models live in model_params/.
+model_registry.add_model_package("model_params")
+
 import tensorflow as tf  # noqa: E402
 
 # tf.test.TestCase carries TF1's `test_session` context helper, which pytest would
 # collect as a test and report as skipped.
 tf.test.TestCase.test_session = None
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch_trainer(*args: str, stderr: int = subprocess.PIPE,
+                   env: Mapping[str, str | None] | None = None,
+                   preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
+    """Starts `python trainer.py *args` in the repository root, with text stdout (a pipe).
+
+    The child gets this process's environment with the repository on PYTHONPATH and
+    TensorFlow's C++ INFO/WARNING lines hidden, updated by `env` (a None value unsets the
+    variable). `stderr` is a pipe unless given (e.g. `subprocess.STDOUT`).
+    """
+    child_env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args],
+                            cwd=REPO, env=child_env, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True, preexec_fn=preexec_fn)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen]) -> None:
+    """Kills each process still running, then reaps it (and drains its pipes)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def hash_tree(directory: str) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under `directory`."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out

@@ -9,27 +9,21 @@ equivalence_models_test.py, equivalence_image_models_test.py and equivalence_mt_
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import numpy as np
 import tensorflow as tf
 import testdata_models
+from conftest import launch_trainer
 
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import equivalence, model_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _launch(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"),
-                             "--mode=check_equivalence", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return launch_trainer("--mode=check_equivalence", *args)
 
 
 def _task_and_batch(model, num_cells: int, num_micro_batches: int):

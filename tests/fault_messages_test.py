@@ -31,7 +31,6 @@ of an input that cannot name it. 94 tried in all.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import io
 import json
 import os
@@ -40,7 +39,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -49,11 +47,10 @@ import pytest
 import reliability_models
 import tensorflow as tf
 import testdata_models
-from subprocesses import stop_processes
+from conftest import hash_tree, launch_trainer, stop_processes
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "tests.testdata_models.TinyMlp"
 IMAGES = "tests.reliability_models.TinyImageFolderMlp"
 HOOK = "LINGVO_LITE_TEST_SIGNAL_AT"
@@ -73,13 +70,7 @@ def _obey_permissions() -> None:
 
 
 def _launch(*args: str, hook: str = "") -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop(HOOK, None)
-    if hook:
-        env[HOOK] = hook
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_obey_permissions)
+    return launch_trainer(*args, env={HOOK: hook or None}, preexec_fn=_obey_permissions)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -89,16 +80,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str
         stop_processes([proc])
         raise
     return proc.returncode, out, err
-
-
-def _hash_tree(directory: str) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _ckpt(logdir: str, step: int) -> str:
@@ -162,7 +143,7 @@ class UnwritableLogdirTest(_FaultTestCase):
         os.mkdir(locked_parent)
         for d in (existing, locked_parent):
             os.chmod(d, 0o555)
-        before = _hash_tree(self.root)
+        before = hash_tree(self.root)
         procs = {"existing": _launch(f"--model={TINY}", f"--logdir={existing}"),
                  "parent": _launch(f"--model={TINY}", f"--logdir={locked_parent}/run")}
         results = {name: _finish(p) for name, p in procs.items()}
@@ -170,7 +151,7 @@ class UnwritableLogdirTest(_FaultTestCase):
                              "writable", f"chmod u+w {existing}", "another --logdir")
         self.assert_one_line(results["parent"], f"{locked_parent} (its parent, to create "
                              f"{locked_parent}/run) is not writable", f"chmod u+w {locked_parent}")
-        self.assertEqual(_hash_tree(self.root), before)
+        self.assertEqual(hash_tree(self.root), before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +180,7 @@ class WriteFailureMidRunTest(_FaultTestCase):
         for name, proc in procs.items():
             _wait_until_stopped(proc)
             logdir = logdirs[name]
-            kept[name] = _hash_tree(os.path.join(logdir, "checkpoints"))
+            kept[name] = hash_tree(os.path.join(logdir, "checkpoints"))
             data = os.path.getsize(_ckpt(logdir, 4) + ".data-00000-of-00001")
             if name == "full":
                 # No file may grow past half a checkpoint: the next save cannot be written.
@@ -224,7 +205,7 @@ class WriteFailureMidRunTest(_FaultTestCase):
             os.chmod(logdir, 0o755)
             os.chmod(os.path.join(logdir, "checkpoints"), 0o755)
             # ckpt-4 is untouched and whole.
-            now = _hash_tree(os.path.join(logdir, "checkpoints"))
+            now = hash_tree(os.path.join(logdir, "checkpoints"))
             self.assertEqual({k: v for k, v in now.items() if k in kept[name]}, kept[name])
             self.assertIsNone(checkpointer.find_damage(last))
             self.assertEqual(int(tf.train.load_variable(last, checkpointer.GLOBAL_STEP_KEY)), 4)
@@ -406,7 +387,7 @@ class BatchSizeResumeTest(_FaultTestCase):
         del manifest["input"]
         with open(old_manifest, "w") as f:
             json.dump(manifest, f)
-        before = {name: _hash_tree(d) for name, d in logdirs.items()}
+        before = {name: hash_tree(d) for name, d in logdirs.items()}
         half = ["--max_steps=8", "--input_params_override=batch_size : 8"]
         procs = {name: _launch(f"--model={TINY}", f"--logdir={logdirs[name]}", *half,
                                *(["--reset_input_position"] if name == "reset" else []))
@@ -423,7 +404,7 @@ class BatchSizeResumeTest(_FaultTestCase):
             "yields batches of another shape", "input.batch_size", "new --logdir",
             "--reset_input_position")
         for name in ("refused", "old"):
-            self.assertEqual(_hash_tree(logdirs[name]), before[name], name)
+            self.assertEqual(hash_tree(logdirs[name]), before[name], name)
 
         status, out, err = results["reset"]
         self.assertEqual(status, 0, err)

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from lingvo_lite.pipeline import gantt, ideal_timeline, schedule, timeline
+from lingvo_lite.pipeline import gantt, ideal_timeline, schedule, trace_analysis
 
 MS = 1_000_000  # ns
 T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.
@@ -21,7 +21,7 @@ T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.
 
 def _box(cell, phase, mb, start_ms, end_ms):
     start, end = T0 + start_ms * MS, T0 + end_ms * MS
-    return timeline.Box(cell, phase, mb, start, end, end - start, 3, ((start, end),))
+    return trace_analysis.Box(cell, phase, mb, start, end, end - start, 3, ((start, end),))
 
 
 # (cell, phase, micro-batch, start ms, end ms) of the measured step.
@@ -33,7 +33,7 @@ STEP = [
 BOXES = [_box(*row) for row in STEP]
 INFO = gantt.StepInfo(model="TinyModel", num_cells=2, num_micro_batches=2, schedule="gpipe",
                       remat="always", step_ms=110.0)
-BREAKDOWN = timeline.Breakdown(
+BREAKDOWN = trace_analysis.Breakdown(
     step_ns=110 * MS, setup=0.05, compute=0.55, recompute=0.05, load_imbalance=0.1,
     bubble=0.2, weight_update=0.05, device_busy=(0.9, 0.6), device_idle_in_pipeline=(0.0, 0.3))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unittest
 
-from lingvo_lite.pipeline import ideal_timeline, schedule, timeline
+from lingvo_lite.pipeline import ideal_timeline, schedule, trace_analysis
 
 
 class PredictTest(unittest.TestCase):
@@ -47,7 +47,7 @@ class PredictTest(unittest.TestCase):
                           (1, "W", 0, 4, 5)], got)
 
     def test_mean_busy_per_device_and_phase(self):
-        box = timeline.Box
+        box = trace_analysis.Box
         boxes = [box(0, "F", 0, 0, 10, 6, 1), box(0, "F", 1, 10, 20, 10, 1),
                  box(1, "B", 0, 0, 30, 30, 1)]
         self.assertEqual({(0, "F"): 8.0, (1, "B"): 30.0}, ideal_timeline.mean_busy_ns(boxes))

@@ -23,7 +23,7 @@ import time
 import pytest
 import tensorflow as tf
 from cluster_test import _free_ports
-from subprocesses import stop_processes
+from conftest import launch_trainer, stop_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tests.testdata_models.TinyMlp"
@@ -36,14 +36,8 @@ def _tf_config(addresses: list[str], index: int) -> str:
 
 
 def _launch(logdir: str, flags: list[str], tf_config: str | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    if tf_config:
-        env["TF_CONFIG"] = tf_config
-    return subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "trainer.py"), f"--model={MODEL}",
-         f"--logdir={logdir}", *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    return launch_trainer(f"--model={MODEL}", f"--logdir={logdir}", *flags,
+                          stderr=subprocess.STDOUT, env={"TF_CONFIG": tf_config or None})
 
 
 def _weights(logdir: str) -> dict:

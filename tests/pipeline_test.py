@@ -29,7 +29,7 @@ from absl.testing import parameterized
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import composite, dense, dropout, losses, normalization, structural
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import micro_batch, pipelining_layer
+from lingvo_lite.pipeline import pipelining_layer
 
 BATCH = 32
 IN_DIM = 6
@@ -312,46 +312,6 @@ class PipelineBatchNormTest(tf.test.TestCase, parameterized.TestCase):
             pipeline_loss_and_grads(pipe, make_batch(), 0)
 
 
-class PlacementTest(tf.test.TestCase):
-
-    def test_every_cell_op_and_variable_is_on_its_device(self):
-        num_cells = 4
-        pipe = make_pipeline(mlp_layers(), num_cells=num_cells, num_micro_batches=2)
-        for k in range(num_cells):
-            for v in pipe.cell_variables(k):
-                self.assertEndsWith(v.device, f"CPU:{k}")
-
-        @tf.function(autograph=False)
-        def step(batch):
-            with fprop_context.fprop_context(training=True):
-                out, grads = pipe.FPropAndGrads(pipe.theta, batch)
-            return out.loss, grads.Flatten()
-
-        graph = step.get_concrete_function(make_batch()).graph
-        seen = {(k, kind): 0 for k in range(num_cells) for kind in ("fprop", "bprop")}
-        for op in graph.get_operations():
-            parts = op.name.split("/")
-            if not parts[0].startswith("cell_") or op.type in ("Placeholder", "ReadVariableOp"):
-                # Placeholders stand for captured variables (function inputs); reads take
-                # the device of the variable they read, which is checked above.
-                continue
-            k = int(parts[0].split("_")[1])
-            self.assertEndsWith(op.device, f"CPU:{k}", msg=op.name)
-            kind = parts[1].split("_mb_")[0]
-            if op.type in graph_structure.CALL_OPS and kind in ("fprop", "bprop"):
-                seen[(k, kind)] += 1
-        for key, count in seen.items():
-            self.assertGreater(count, 0, msg=f"no function call for cell/phase {key}")
-        # The calls' bodies hold the cell's ops (they run on the call's device): forward,
-        # re-computation and backward of every cell.
-        bodies = " ".join(
-            name for f in graph_structure.function_library(graph).values()
-            for name in [n.name for n in f.node_def])
-        for k in range(num_cells):
-            for scope in (f"cell_{k}/fprop/", f"cell_{k}/bprop/recompute/"):
-                self.assertIn(scope, bodies)
-
-
 class PartitionAndErrorsTest(tf.test.TestCase):
 
     def test_equal_layers_split_evenly(self):
@@ -383,35 +343,6 @@ class PartitionAndErrorsTest(tf.test.TestCase):
                 with self.assertRaisesRegex(ValueError, message):
                     pipe = make_pipeline(mlp_layers(), **kwargs)
                     pipe.FPropAndGrads(pipe.theta, make_batch())
-
-    def test_conflicting_micro_batch_settings_are_an_error(self):
-        # Issue 12: num_micro_batches=8 with micro_batch_size=1 on 16 examples ran T=16.
-        with self.assertRaisesRegex(ValueError, "num_micro_batches=8 and micro_batch_size=1 "
-                                    "disagree for a mini-batch of 16"):
-            micro_batch.resolve_num_micro_batches(16, 8, 1)
-        pipe = make_pipeline(mlp_layers(), num_cells=2, num_micro_batches=8, micro_batch_size=1)
-        with self.assertRaisesRegex(ValueError, "disagree for a mini-batch of 32"):
-            with fprop_context.fprop_context(training=True):
-                pipe.FPropAndGrads(pipe.theta, make_batch())
-        with self.assertRaisesRegex(ValueError, "disagree"):
-            pipe.FProp(pipe.theta, make_batch())
-        # Agreeing settings, either one alone, and neither (T=1) are fine.
-        self.assertEqual(4, micro_batch.resolve_num_micro_batches(32, 4, 8))
-        self.assertEqual(4, micro_batch.resolve_num_micro_batches(32, None, 8))
-        self.assertEqual(8, micro_batch.resolve_num_micro_batches(32, 8, None))
-        self.assertEqual(1, micro_batch.resolve_num_micro_batches(32, None, None))
-        self.assertIsNone(pipelining_layer.PipeliningLayer.Params().num_micro_batches)
-
-    def test_zero_micro_batches_must_be_at_least_one(self):
-        for kwargs, message in [
-                (dict(num_micro_batches=0), "num_micro_batches must be an integer >= 1"),
-                (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
-                (dict(num_micro_batches=-2), "num_micro_batches must be an integer >= 1")]:
-            with self.subTest(kwargs=kwargs):
-                with self.assertRaisesRegex(ValueError, message):
-                    make_pipeline(mlp_layers(), **kwargs)
-        with self.assertRaisesRegex(ValueError, ">= 1"):
-            micro_batch.resolve_num_micro_batches(16, 0, None)
 
     def test_shape_mismatch_between_layers_names_the_layer(self):
         layers = mlp_layers()

@@ -8,7 +8,6 @@ SHA-256, and "weights untouched" / "resume is exact" mean bit-identical arrays.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -27,7 +26,7 @@ import pytest
 import reliability_models  # noqa: F401 (registers reliability_models.*)
 import tensorflow as tf
 import testdata_models  # noqa: F401 (registers testdata_models.*)
-from subprocesses import stop_processes
+from conftest import hash_tree, launch_trainer, stop_processes
 from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 
 from lingvo_lite.training import checkpointer, logdir_lock, loop, options, runner
@@ -47,20 +46,7 @@ def _main(**kwargs) -> tuple[int, str, str]:
 
 def _launch(*args: str, stderr=subprocess.PIPE, extra_env: dict | None = None
             ) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **(extra_env or {}))
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-
-
-def _hash_tree(directory: str) -> dict[str, str]:
-    """relative path -> SHA-256 of every file under `directory`."""
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    return launch_trainer(*args, stderr=stderr, env=extra_env)
 
 
 def _ckpt_dir(logdir: str) -> str:
@@ -453,13 +439,13 @@ class CheckpointIntegrityTest(tf.test.TestCase):
         logdir = self._copy("all_damaged")
         for step in (10, 15):
             _truncate(_data_file(_ckpt(logdir, step)))
-        before = _hash_tree(logdir)
+        before = hash_tree(logdir)
         status, out, err = _main(model=TINY, logdir=logdir, max_steps=20,
                                  model_params_override=self.OVERRIDES)
         self.assertEqual(status, 1, out)
         self.assertIn("trainer.py: error: every checkpoint in", err)
         self.assertIn("move that directory aside", err)
-        self.assertEqual(_hash_tree(logdir), before)
+        self.assertEqual(hash_tree(logdir), before)
 
     def _train_to(self, logdir: str, max_steps: int) -> tuple[int, str, str]:
         return _main(model=TINY, logdir=logdir, max_steps=max_steps,
@@ -570,8 +556,8 @@ class CheckpointIntegrityTest(tf.test.TestCase):
                       f"{moved_to}", err)
         self.assertIn(f"Restored {_ckpt(logdir, 15)} (global step 15)", out)
         self.assertEqual(sorted(os.listdir(moved_to)), sorted(names))
-        self.assertEqual(_hash_tree(moved_to),
-                         {n: v for n, v in _hash_tree(_ckpt_dir(self.wide)).items()
+        self.assertEqual(hash_tree(moved_to),
+                         {n: v for n, v in hash_tree(_ckpt_dir(self.wide)).items()
                           if n in names})
         self._assert_like_ref_at_20(logdir)
 
@@ -611,14 +597,14 @@ class LogdirLockTest(tf.test.TestCase):
 
     def test_live_owner_refuses_and_changes_nothing(self) -> None:
         self._write_lock(self.sleeper.pid, socket.gethostname(), self._ticks(self.sleeper.pid))
-        before = _hash_tree(self.logdir)
+        before = hash_tree(self.logdir)
         status, out, err = self._train()
         self.assertEqual(status, 1, out)
         self.assertEqual(err.splitlines(), [
             f"trainer.py: error: --logdir={self.logdir} is in use by another trainer (PID "
             f"{self.sleeper.pid} on {socket.gethostname()}, started 2026-01-01 00:00:00 UTC; "
             f"lock file {self.lock}): stop it first, or use a different --logdir."])
-        self.assertEqual(_hash_tree(self.logdir), before)
+        self.assertEqual(hash_tree(self.logdir), before)
 
     def test_other_host_refuses_with_the_manual_fix(self) -> None:
         self._write_lock(self.sleeper.pid, "elsewhere.example", 1)
@@ -894,7 +880,7 @@ class BadInputTest(tf.test.TestCase):
         for name, kwargs, expected in cases:
             logdir = kwargs.get("logdir")
             watched = logdir if logdir and os.path.isdir(logdir) else self.root
-            before = _hash_tree(watched)
+            before = hash_tree(watched)
             status, out, err = _main(**kwargs)
             lines = err.splitlines()
             problems = []
@@ -905,7 +891,7 @@ class BadInputTest(tf.test.TestCase):
             if "Traceback" in out + err:
                 problems.append("traceback")
             problems += [f"missing {text!r}" for text in expected if text not in err]
-            if _hash_tree(watched) != before:
+            if hash_tree(watched) != before:
                 problems.append(f"{watched} changed")
             if os.path.exists(os.path.join(self.root, "fresh")):
                 problems.append("fresh logdir left behind")

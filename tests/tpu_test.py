@@ -27,8 +27,8 @@ from unittest import mock
 
 import numpy as np
 import tensorflow as tf
+from conftest import stop_processes
 from pipeline_test import WIDTH, _loss, _proj, input_shapes, make_batch
-from subprocesses import stop_processes
 
 from lingvo_lite import fprop_context
 from lingvo_lite.pipeline import pipelining_layer, placement, tpu
@@ -157,39 +157,6 @@ class DeviceAssignmentTest(tf.test.TestCase):
         for text in ("Cannot connect to a TPU", "Please provide a TPU Name", "--tpu=<name>",
                      "--tpu=local", "placement 'cpu' or 'gpu'"):
             self.assertIn(text, message)
-
-
-class ChoosePathTest(tf.test.TestCase):
-
-    def test_paths(self) -> None:
-        devices, strategy = placement.DEVICES_PATH, placement.TPU_STRATEGY_PATH
-        cpus = {"CPU": 8}
-        cases = [
-            ("auto", 1, 2, cpus, False, devices),
-            ("cpu", 2, 2, cpus, False, devices),
-            ("gpu", 1, 2, {"CPU": 1, "GPU": 2}, False, devices),
-            ("cluster:worker", 2, 2, cpus, False, devices),
-            (["/device:CPU:0", "/device:CPU:1"], 1, 2, cpus, False, devices),
-            ("tpu", 2, 4, {"CPU": 1, "TPU": 8}, False, devices),  # Cores visible, no strategy.
-            ("tpu", 1, 4, {"CPU": 1}, True, strategy),
-            ("auto", 1, 4, cpus, True, strategy),
-        ]
-        for where, num_replicas, num_cells, counts, active, expected in cases:
-            self.assertEqual(
-                placement.choose_path(where, num_replicas, num_cells, counts, active), expected,
-                (where, num_replicas, num_cells, counts, active))
-
-    def test_contradictions_are_errors(self) -> None:
-        with self.assertRaisesRegex(ValueError, r"placement='tpu'.*8 TPU cores but 4 .*--tpu"):
-            placement.choose_path("tpu", 2, 4, {"CPU": 1, "TPU": 4}, False)
-        with self.assertRaisesRegex(ValueError, r"placement='tpu'.*but 0 are visible"):
-            placement.choose_path("tpu", 1, 2, {"CPU": 8}, False)
-        with self.assertRaisesRegex(ValueError, r"placement='cpu' inside a TPUStrategy"):
-            placement.choose_path("cpu", 1, 2, {"CPU": 8}, True)
-        with self.assertRaisesRegex(ValueError, r"placement='a list of devices' inside"):
-            placement.choose_path(["/device:CPU:0"], 1, 1, {"CPU": 8}, True)
-        with self.assertRaisesRegex(ValueError, r"num_replicas=2 inside a TPUStrategy"):
-            placement.choose_path("tpu", 2, 2, {}, True)
 
 
 class _StandInExtended:

@@ -12,21 +12,18 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 import testdata_models
-from subprocesses import stop_processes
+from conftest import launch_trainer, stop_processes
 from tensorboard.backend.event_processing import event_accumulator
 
 from lingvo_lite import hyperparams, model_registry
 from lingvo_lite.pipeline import pipelining_layer
 from lingvo_lite.training import loop, model_config, options, runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "testdata_models.TinyMlp"  # Registered name (this process imported the module).
 CLI_MODEL = "tests.testdata_models.TinyMlp"  # Fully-qualified path, imported by trainer.py.
 
@@ -36,12 +33,6 @@ def _main(**kwargs) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     status = runner.main(options.RunOptions(**kwargs), out=out, err=err)
     return status, out.getvalue(), err.getvalue()
-
-
-def _launch(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.Popen([sys.executable, os.path.join(REPO, "trainer.py"), *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _scalars(event_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -120,20 +111,20 @@ class TrainerTest(tf.test.TestCase):
         cls.frozen_snapshot = _snapshot(cls.frozen)
         empty = os.path.join(cls.root, "empty")
         os.mkdir(empty)
+        launch = launch_trainer
         cls.procs = {
-            "resume": _launch(f"--model={CLI_MODEL}", f"--logdir={cls.resumed}",
-                              "--max_steps=10"),
-            "list_models": _launch("--mode=list_models", "--model_modules=tests.testdata_models"),
-            "inspect_model": _launch("--mode=inspect_model", f"--model={CLI_MODEL}",
-                                     "--inspect_num_cells=1,3"),
-            "unknown_model": _launch("--model=tests.testdata_models.TinyMpl",
-                                     f"--logdir={cls.frozen}"),
-            "bad_key": _launch(f"--model={CLI_MODEL}", f"--logdir={cls.frozen}",
-                               "--model_params_override=train.max_step : 30"),
-            "no_checkpoint": _launch("--mode=eval", f"--model={CLI_MODEL}", f"--logdir={empty}"),
-            "missing_parent": _launch(f"--model={CLI_MODEL}",
-                                      f"--logdir={cls.root}/no_such_dir/run"),
-            "missing_model": _launch(f"--logdir={cls.frozen}"),
+            "resume": launch(f"--model={CLI_MODEL}", f"--logdir={cls.resumed}", "--max_steps=10"),
+            "list_models": launch("--mode=list_models", "--model_modules=tests.testdata_models"),
+            "inspect_model": launch("--mode=inspect_model", f"--model={CLI_MODEL}",
+                                    "--inspect_num_cells=1,3"),
+            "unknown_model": launch("--model=tests.testdata_models.TinyMpl",
+                                    f"--logdir={cls.frozen}"),
+            "bad_key": launch(f"--model={CLI_MODEL}", f"--logdir={cls.frozen}",
+                              "--model_params_override=train.max_step : 30"),
+            "no_checkpoint": launch("--mode=eval", f"--model={CLI_MODEL}", f"--logdir={empty}"),
+            "missing_parent": launch(f"--model={CLI_MODEL}",
+                                     f"--logdir={cls.root}/no_such_dir/run"),
+            "missing_model": launch(f"--logdir={cls.frozen}"),
         }
         cls.cli_results = {}
 

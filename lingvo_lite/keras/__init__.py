@@ -1,4 +1,9 @@
-"""Keras models on the pipeline: `PipelinedModel` trains a Keras layer stack with `fit`."""
+"""Keras models on the pipeline: `PipelinedModel` trains a Keras layer stack with `fit`.
+
+`pipeline_params` and `KerasTask` turn the same layers into a model for `trainer.py`
+(model_params/keras_digits.py). Importing this package loads Keras and registers
+`PipelinedModel` with Keras' serialization (so `keras.models.load_model` finds it).
+"""
 
 from lingvo_lite.keras.keras_task import KerasTask
 from lingvo_lite.keras.pipelined_model import PipelinedModel, pipeline_params

@@ -18,6 +18,8 @@ from __future__ import annotations
 from lingvo_lite import hyperparams, pipelined_task
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["KerasTask"]
+
 
 class KerasTask(pipelined_task.PipelinedTask):
     """A PipelinedTask that maps the input batch onto the Keras network's x and y."""

@@ -7,7 +7,7 @@ becomes a `KerasLayer` (its weights on its cell's device) and the compiled loss 
 `KerasLossLayer` at the end of a `PipeliningLayer`; `train_step` runs
 `PipeliningLayer.FPropAndGrads` and hands the gradients to the Keras optimizer.
 
-What matches the unpipelined Sequential (tests/keras_model_test.py):
+What matches the unpipelined Sequential (tests/pipelined_model_test.py):
 - the loss, the gradients and so the weights after `fit` steps, for every K, T, remat
   and schedule, dropout included (each example gets the mask the whole batch would),
   weight regularizers' penalties included (activity regularizers are refused);
@@ -49,6 +49,8 @@ from lingvo_lite import fprop_context
 from lingvo_lite.layers import keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+
+__all__ = ["pipeline_params", "PipelinedModel"]
 
 
 class _Hidden:

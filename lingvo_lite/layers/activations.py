@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+__all__ = ["activation_flops_per_element", "get_activation", "VALID_ACTIVATIONS"]
+
 
 def _identity(x: tf.Tensor) -> tf.Tensor:
     return x

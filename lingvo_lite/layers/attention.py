@@ -17,6 +17,8 @@ from lingvo_lite import base_layer, hyperparams, weight_params
 from lingvo_lite.layers import dropout
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["MultiHeadedAttention"]
+
 # Rough cost of the masked softmax per score: mask, max, subtract, exp, sum, divide.
 _SOFTMAX_FLOPS_PER_SCORE = 6
 # Logit given to masked positions: exp() of it underflows to exactly 0 in float32.

@@ -11,6 +11,8 @@ from lingvo_lite import base_layer, hyperparams, weight_params
 from lingvo_lite.layers import activations
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["check_projection_shape", "FCLayer", "ProjectionLayer"]
+
 
 def check_projection_shape(layer_name: str, input_dim: int, shape: tf.TensorShape) -> None:
     """ValueError unless `shape` has rank >= 2 and last dim `input_dim` (when known)."""

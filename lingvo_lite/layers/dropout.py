@@ -26,6 +26,8 @@ import tensorflow as tf
 from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["drop_path", "dropout", "DropoutLayer", "DropPathLayer", "uniform_hash"]
+
 
 def _as_seed_pair(seed: int | Sequence[int]) -> tuple[int, int]:
     if isinstance(seed, int):

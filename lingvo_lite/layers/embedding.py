@@ -10,6 +10,8 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams, weight_params
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["EmbeddingLayer"]
+
 
 class EmbeddingLayer(base_layer.BaseLayer):
     """Looks up ids [B, ...] in a table `emb` [vocab_size, embedding_dim] -> [B, ..., dim].

@@ -29,6 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+__all__: list[str] = []
+
 NORM_FLOPS_PER_ELEMENT = 8
 SOFTMAX_FLOPS_PER_ELEMENT = 5
 DROPOUT_FLOPS_PER_ELEMENT = 3

@@ -53,6 +53,16 @@ from lingvo_lite.layers import keras_flops, keras_random
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = [
+    "check_call_state",
+    "check_supported",
+    "deserialize",
+    "iter_keras_layers",
+    "KerasLayer",
+    "serialize",
+    "variable_keys",
+]
+
 _DROPOUT_CLASSES = (keras.layers.Dropout,)  # SpatialDropout1D/2D/3D subclass Dropout.
 _NOISE_CLASSES = (keras.layers.GaussianNoise, keras.layers.GaussianDropout)
 _local = threading.local()

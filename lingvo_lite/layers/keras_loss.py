@@ -33,6 +33,8 @@ from keras.src.losses import LossFunctionWrapper  # What compile() wraps loss fu
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["KerasLossLayer", "make_loss", "serialize_loss"]
+
 # Per prediction element: a log, a multiply and a sum (cross-entropy-like losses).
 LOSS_FLOPS_PER_ELEMENT = 3
 

@@ -28,6 +28,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import gen_stateless_random_ops_v2
 
+__all__: list[str] = []
+
 # tf.random.Algorithm.AUTO_SELECT: what Keras' calls use (Philox on CPU and GPU).
 _AUTO_SELECT = 3
 

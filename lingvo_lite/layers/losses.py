@@ -10,6 +10,8 @@ from lingvo_lite import base_layer, hyperparams, weight_params
 from lingvo_lite.layers.normalization import check_input_shape
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["SoftmaxCrossEntropyLayer", "xent_with_label_smoothing"]
+
 # Rough per-logit cost of log-softmax (max, subtract, exp, sum, log) and of the smoothed xent.
 _SOFTMAX_FLOPS_PER_LOGIT = 5
 _XENT_FLOPS_PER_LOGIT = 3

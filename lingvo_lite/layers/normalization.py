@@ -18,6 +18,8 @@ import tensorflow as tf
 from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["BatchNormLayer", "check_input_shape", "LayerNorm", "pool_moments"]
+
 # Rough elementwise cost per input element (subtract, square, reduce, scale, shift).
 _BN_FLOPS_PER_ELEMENT = 8
 _LN_FLOPS_PER_ELEMENT = 8

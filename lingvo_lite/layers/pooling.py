@@ -10,6 +10,8 @@ from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.layers import conv
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["GlobalPoolingLayer", "PoolingLayer"]
+
 _POOLING_TYPES = ("AVG", "MAX")
 
 

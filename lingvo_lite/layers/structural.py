@@ -14,6 +14,8 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["FieldLayer", "FieldsLayer", "IdentityLayer", "shapes_of"]
+
 
 def _check_map(value: Any, where: str) -> NestedMap:
     if not isinstance(value, NestedMap):

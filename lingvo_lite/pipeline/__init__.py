@@ -1,0 +1,32 @@
+"""GPipe for lingvo-lite layers: partition, placement, micro-batches, schedules, recomputation.
+
+`PipeliningLayer` is the entry point (see its docstring for a complete example); schedules are
+data (`make_schedule`, `CustomSchedule`, `parse_orders`) and `simulate` replays one with action
+durations. The profiling modules (`trace_analysis`, `gantt`, `chrome_trace`, `ideal_timeline`,
+`breakdown_advice`) read what a profiled step did.
+
+>>> from lingvo_lite import pipeline
+>>> print(pipeline.make_schedule("gpipe", 2, 3).format_orders())
+device 0: F0 F1 F2 B2 B1 B0
+device 1: F0 F1 F2 B2 B1 B0
+
+Imported on first use, like the names of `lingvo_lite`.
+"""
+
+from lingvo_lite import _lazy
+
+_EXPORTS = {
+    "PipeliningLayer": "lingvo_lite.pipeline.pipelining_layer",
+    "Schedule": "lingvo_lite.pipeline.schedule",
+    "SCHEDULES": "lingvo_lite.pipeline.schedule",
+    "make_schedule": "lingvo_lite.pipeline.schedule",
+    "CustomSchedule": "lingvo_lite.pipeline.custom_schedule",
+    "parse_orders": "lingvo_lite.pipeline.custom_schedule",
+    "Partition": "lingvo_lite.pipeline.partition",
+    "simulate": "lingvo_lite.pipeline.simulator",
+    "PhaseCosts": "lingvo_lite.pipeline.simulator",
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = _lazy.exporter(__name__, _EXPORTS, globals())

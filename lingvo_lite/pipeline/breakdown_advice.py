@@ -1,7 +1,7 @@
 """The Figure 4 breakdown in words: a markdown table and suggestions drawn from its numbers.
 
-`advice` looks at one step's `timeline.Breakdown` and says what to change when a share is large
-enough to matter. Each rule states its threshold below; a balanced pipeline with enough
+`advice` looks at one step's `trace_analysis.Breakdown` and says what to change when a share is
+large enough to matter. Each rule states its threshold below; a balanced pipeline with enough
 micro-batches gets no suggestion.
 """
 
@@ -10,7 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline import trace_analysis
+
+__all__ = [
+    "advice",
+    "busiest_and_idlest",
+    "markdown",
+    "PipelineConfig",
+    "summary_line",
+    "theoretical_bubble",
+]
 
 # Load imbalance worth acting on: this share of the step, and the busiest device at least this
 # many times busier than the least busy one.
@@ -41,14 +50,19 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
-def busiest_and_idlest(breakdown: timeline.Breakdown) -> tuple[int, int]:
+def theoretical_bubble(num_cells: int, num_micro_batches: int) -> float:
+    """GPipe's idle fraction of a balanced fill-drain pipeline: (K-1)/(T+K-1)."""
+    return (num_cells - 1) / (num_micro_batches + num_cells - 1)
+
+
+def busiest_and_idlest(breakdown: trace_analysis.Breakdown) -> tuple[int, int]:
     """(most busy device, least busy device)."""
     busy = breakdown.device_busy
     return (max(range(len(busy)), key=busy.__getitem__),
             min(range(len(busy)), key=busy.__getitem__))
 
 
-def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | None:
+def _imbalance_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> str | None:
     hi, lo = busiest_and_idlest(b)
     busy_hi, busy_lo = b.device_busy[hi], b.device_busy[lo]
     ratio = busy_hi / busy_lo if busy_lo > 0 else float("inf")
@@ -68,19 +82,19 @@ def _imbalance_advice(b: timeline.Breakdown, config: PipelineConfig) -> str | No
             f"device {lo}; {fix}")
 
 
-def _bubble_advice(b: timeline.Breakdown, config: PipelineConfig) -> list[str]:
+def _bubble_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> list[str]:
     out = []
     K, T = config.num_cells, config.num_micro_batches
     if K > 1 and b.bubble >= BUBBLE_SHARE and T < MICRO_BATCHES_PER_CELL * K:
         more = MICRO_BATCHES_PER_CELL * K
         out.append(f"bubble {_pct(b.bubble)}: at T={T} GPipe's bound (K-1)/(T+K-1) is "
-                   f"{_pct(timeline.theoretical_bubble(K, T))} of the pipelined time; "
+                   f"{_pct(theoretical_bubble(K, T))} of the pipelined time; "
                    f"num_micro_batches={more} would bring it to "
-                   f"{_pct(timeline.theoretical_bubble(K, more))}")
+                   f"{_pct(theoretical_bubble(K, more))}")
     pipelined = 1.0 - b.setup - b.weight_update
     if K > 1 and pipelined > 0:
         busiest_idle = b.bubble / pipelined
-        expected = timeline.theoretical_bubble(K, T)
+        expected = theoretical_bubble(K, T)
         if busiest_idle - expected >= UNEXPLAINED_IDLE:
             out.append(f"the busiest device idles {_pct(busiest_idle)} of the pipelined time, "
                        f"{_pct(expected)} of which the schedule explains: the rest is waiting on "
@@ -88,7 +102,7 @@ def _bubble_advice(b: timeline.Breakdown, config: PipelineConfig) -> list[str]:
     return out
 
 
-def advice(breakdown: timeline.Breakdown, config: PipelineConfig) -> list[str]:
+def advice(breakdown: trace_analysis.Breakdown, config: PipelineConfig) -> list[str]:
     """Suggestions for one step's breakdown, most important first; [] when nothing stands out."""
     out = []
     imbalance = _imbalance_advice(breakdown, config)
@@ -106,7 +120,7 @@ def advice(breakdown: timeline.Breakdown, config: PipelineConfig) -> list[str]:
     return out
 
 
-def summary_line(breakdown: timeline.Breakdown, config: PipelineConfig) -> str:
+def summary_line(breakdown: trace_analysis.Breakdown, config: PipelineConfig) -> str:
     """'bubble 13%, load imbalance 18%: <first suggestion>' (the trainer prints it)."""
     head = f"bubble {_pct(breakdown.bubble)}, load imbalance {_pct(breakdown.load_imbalance)}"
     tips = advice(breakdown, config)
@@ -120,7 +134,7 @@ def summary_line(breakdown: timeline.Breakdown, config: PipelineConfig) -> str:
     return f"{head}: {first}"
 
 
-def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str = "") -> str:
+def markdown(breakdown: trace_analysis.Breakdown, config: PipelineConfig, title: str = "") -> str:
     """Suggestions, then the breakdown as markdown tables (TensorBoard's Text tab renders them)."""
     step_ms = breakdown.step_ns / 1e6
     lines = [f"**{title}**", ""] if title else []
@@ -140,5 +154,5 @@ def markdown(breakdown: timeline.Breakdown, config: PipelineConfig, title: str =
         lines.append(f"| {d} | {100 * busy:.1f}% | {100 * idle:.1f}% |")
     K, T = config.num_cells, config.num_micro_batches
     lines += ["", f"GPipe's bubble bound (K-1)/(T+K-1) at K={K}, T={T}: "
-              f"{100 * timeline.theoretical_bubble(K, T):.1f}% of the pipelined time."]
+              f"{100 * theoretical_bubble(K, T):.1f}% of the pipelined time."]
     return "\n".join(lines)

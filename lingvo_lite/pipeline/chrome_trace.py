@@ -2,7 +2,7 @@
 
 The file follows the Trace Event Format's JSON object form: `{"traceEvents": [...],
 "displayTimeUnit": "ms", "otherData": {...}}`. Each box is a complete event (`"ph": "X"`) named
-like `timeline.box_name` ('F cell 1 mb 3'), with `ts` and `dur` in microseconds, on thread
+like `trace_analysis.box_name` ('F cell 1 mb 3'), with `ts` and `dur` in microseconds, on thread
 (track) `tid = cell` of process `pid`: the measured step is process 1 and, when given, the
 schedule simulator's prediction process 2, so both show one track per device, one above the
 other (plus a track for boxes that overlap others of their device, see `assign_lanes`).
@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline import trace_analysis
+
+__all__ = ["assign_lanes", "MEASURED_PID", "PREDICTED_PID", "trace_events", "write_trace"]
 
 MEASURED_PID = 1
 PREDICTED_PID = 2
-_PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
-                timeline.BACKWARD: "backward"}
+_PHASE_NAMES = {trace_analysis.FORWARD: "forward", trace_analysis.RECOMPUTE: "recompute",
+                trace_analysis.BACKWARD: "backward"}
 
 
 # Trace viewers need the slices of one track to nest. On CPUs a device's actions can overlap
@@ -33,7 +35,7 @@ _PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
 LANE_TID_STRIDE = 1000
 
 
-def assign_lanes(boxes: Sequence[timeline.Box]) -> list[int]:
+def assign_lanes(boxes: Sequence[trace_analysis.Box]) -> list[int]:
     """Per box, the lowest lane of its device in which it overlaps no earlier box."""
     lane_ends: dict[int, list[int]] = {}
     lanes = [0] * len(boxes)
@@ -64,7 +66,7 @@ def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]]) -> list
     return events
 
 
-def _box_events(boxes: Sequence[timeline.Box], pid: int, process_name: str,
+def _box_events(boxes: Sequence[trace_analysis.Box], pid: int, process_name: str,
                 origin_ns: int) -> list[dict]:
     def us(t_ns: int) -> float:
         return (t_ns - origin_ns) / 1000.0
@@ -72,7 +74,7 @@ def _box_events(boxes: Sequence[timeline.Box], pid: int, process_name: str,
     lanes = assign_lanes(boxes)
     tracks = {(b.cell, 0) for b in boxes} | {(b.cell, n) for b, n in zip(boxes, lanes)}
     return _metadata(pid, process_name, tracks) + [{
-        "ph": "X", "name": timeline.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
+        "ph": "X", "name": trace_analysis.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
         "pid": pid, "tid": LANE_TID_STRIDE * lane + b.cell, "ts": us(b.start_ns),
         "dur": (b.end_ns - b.start_ns) / 1000.0,
         "args": {"phase": b.phase, "cell": b.cell, "micro_batch": b.micro_batch,
@@ -81,8 +83,8 @@ def _box_events(boxes: Sequence[timeline.Box], pid: int, process_name: str,
     } for b, lane in zip(boxes, lanes)]
 
 
-def trace_events(measured: Sequence[timeline.Box], step: int,
-                 predicted: Sequence[timeline.Box] | None = None,
+def trace_events(measured: Sequence[trace_analysis.Box], step: int,
+                 predicted: Sequence[trace_analysis.Box] | None = None,
                  title: str = "") -> dict:
     """The trace-event JSON object of one step's boxes (and the schedule's prediction)."""
     if not measured:
@@ -95,30 +97,9 @@ def trace_events(measured: Sequence[timeline.Box], step: int,
             "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}
 
 
-def write_trace(path: str, measured: Sequence[timeline.Box], step: int,
-                predicted: Sequence[timeline.Box] | None = None, title: str = "") -> str:
+def write_trace(path: str, measured: Sequence[trace_analysis.Box], step: int,
+                predicted: Sequence[trace_analysis.Box] | None = None, title: str = "") -> str:
     """Writes `trace_events(...)` to `path` (open it in https://ui.perfetto.dev); returns it."""
     with open(path, "w") as f:
         json.dump(trace_events(measured, step, predicted, title), f)
     return path
-
-
-def boxes_from_trace(trace: dict, pid: int = MEASURED_PID) -> list[timeline.Box]:
-    """The boxes of process `pid` of a trace written by `trace_events`, in profiler ns."""
-    origin_ns = int(trace["otherData"]["origin_ns"]) if pid == MEASURED_PID else 0
-
-    def ns(t_us: float) -> int:
-        return origin_ns + round(t_us * 1000.0)
-
-    boxes = []
-    for e in trace["traceEvents"]:
-        if e.get("ph") != "X" or e.get("pid") != pid:
-            continue
-        args = e["args"]
-        start = ns(e["ts"])
-        boxes.append(timeline.Box(
-            cell=int(args["cell"]), phase=args["phase"], micro_batch=int(args["micro_batch"]),
-            start_ns=start, end_ns=start + round(e["dur"] * 1000.0),
-            busy_ns=round(args["busy_us"] * 1000.0), num_ops=int(args["ops"]),
-            segments=tuple((ns(s), ns(t)) for s, t in args["busy_runs_us"])))
-    return sorted(boxes, key=lambda b: (b.cell, b.start_ns, timeline.PHASES.index(b.phase)))

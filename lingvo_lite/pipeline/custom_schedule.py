@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
 
+__all__ = ["CustomSchedule", "parse_orders"]
+
 _LINE = re.compile(r'^device\s+(?P<device>\d+)\s*:(?P<actions>.*)$')
 _TOKEN = re.compile(r'^(?P<cell>\d+)?(?P<phase>[FBW])(?P<t>\d+)$')
 

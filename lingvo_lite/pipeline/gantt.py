@@ -13,7 +13,7 @@ One figure, top to bottom:
   - optionally GPipe's Figure 4 breakdown as one stacked bar (shares of the step time).
 
 The figure is a plain `matplotlib.figure.Figure` on the Agg canvas: no pyplot state and no
-display. Artists carry gids (`timeline.box_name(box)`, '<name> label', 'idle device k',
+display. Artists carry gids (`trace_analysis.box_name(box)`, '<name> label', 'idle device k',
 'breakdown <part>') so tests and tools can find them; axes carry labels 'measured',
 'predicted' and 'breakdown'.
 """
@@ -28,13 +28,23 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lingvo_lite.pipeline import timeline
+from lingvo_lite.pipeline import trace_analysis
 
-WEIGHT_GRADIENT = timeline.WEIGHT  # W: the weight gradient of a split backward (zero-bubble).
-PHASE_NAMES = {timeline.FORWARD: "forward", timeline.RECOMPUTE: "recompute",
-               timeline.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}
-PHASE_COLORS = {timeline.FORWARD: "#3b78e7", timeline.RECOMPUTE: "#2e9e4f",
-                timeline.BACKWARD: "#f08a00", WEIGHT_GRADIENT: "#9c4fd6"}
+__all__ = [
+    "device_idle_fraction",
+    "DPI",
+    "FIGURE_WIDTH_IN",
+    "gantt_figure",
+    "phases_present",
+    "render_rgb",
+    "StepInfo",
+]
+
+WEIGHT_GRADIENT = trace_analysis.WEIGHT  # W: the weight gradient of a split backward (zero-bubble).
+PHASE_NAMES = {trace_analysis.FORWARD: "forward", trace_analysis.RECOMPUTE: "recompute",
+               trace_analysis.BACKWARD: "backward", WEIGHT_GRADIENT: "weight gradient"}
+PHASE_COLORS = {trace_analysis.FORWARD: "#3b78e7", trace_analysis.RECOMPUTE: "#2e9e4f",
+                trace_analysis.BACKWARD: "#f08a00", WEIGHT_GRADIENT: "#9c4fd6"}
 IDLE_COLOR = "#e4e4e4"
 BREAKDOWN_PARTS = {"setup": "setup", "compute": "compute", "recompute": "recompute",
                    "load_imbalance": "load imbalance", "bubble": "bubble",
@@ -72,18 +82,18 @@ class StepInfo:
                 f"T={self.num_micro_batches}, schedule {self.schedule}, remat {self.remat}")
 
 
-def phases_present(boxes: Sequence[timeline.Box]) -> list[str]:
+def phases_present(boxes: Sequence[trace_analysis.Box]) -> list[str]:
     """The phases of `boxes`, in PHASE_NAMES order."""
     present = {b.phase for b in boxes}
     return [p for p in PHASE_NAMES if p in present]
 
 
-def device_idle_fraction(boxes: Sequence[timeline.Box], cell: int, start_ns: int,
+def device_idle_fraction(boxes: Sequence[trace_analysis.Box], cell: int, start_ns: int,
                          end_ns: int) -> float:
     """Share of [start_ns, end_ns) during which no op of `cell` ran."""
     runs = [seg for b in boxes if b.cell == cell
             for seg in (b.segments or ((b.start_ns, b.end_ns),))]
-    return 1.0 - timeline.union_ns(runs) / max(end_ns - start_ns, 1)
+    return 1.0 - trace_analysis.union_ns(runs) / max(end_ns - start_ns, 1)
 
 
 def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tuple[int, int]]:
@@ -97,7 +107,7 @@ def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tupl
     return [(a, b) for a, b in out]
 
 
-def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int,
+def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_cells: int, t0_ns: int,
                    span_ms: float) -> None:
     """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
 
@@ -112,12 +122,12 @@ def _draw_timeline(ax, boxes: Sequence[timeline.Box], num_cells: int, t0_ns: int
         color = PHASE_COLORS.get(b.phase, "#777777")
         start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
         ax.barh(b.cell, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
-                edgecolor="white", linewidth=0.6, gid=timeline.box_name(b))
+                edgecolor="white", linewidth=0.6, gid=trace_analysis.box_name(b))
         segments = [((s - t0_ns) / 1e6, (e - s) / 1e6)
                     for s, e in _close_gaps(b.segments, min_gap_ns)]
         if segments:
             ax.broken_barh(segments, (b.cell - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
-                           linewidth=0, gid=f"{timeline.box_name(b)} busy")
+                           linewidth=0, gid=f"{trace_analysis.box_name(b)} busy")
     ax.set_ylim(num_cells - 0.5, -0.5)  # Device 0 on top.
     ax.set_yticks(range(num_cells))
     ax.set_yticklabels([
@@ -145,7 +155,7 @@ def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float,
     return None
 
 
-def _label_boxes(ax, boxes: Sequence[timeline.Box], t0_ns: int) -> None:
+def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int) -> None:
     """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
 
     Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
@@ -166,17 +176,17 @@ def _label_boxes(ax, boxes: Sequence[timeline.Box], t0_ns: int) -> None:
         placement = _label_placement(label, widths[b], row_px)
         if placement is not None:
             ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
-                    rotation=placement[1], color="black", gid=f"{timeline.box_name(b)} label",
+                    rotation=placement[1], color="black", gid=f"{trace_analysis.box_name(b)} label",
                     clip_on=True)
-        elif b.micro_batch % stride == 0 and b.phase != timeline.RECOMPUTE:
+        elif b.micro_batch % stride == 0 and b.phase != trace_analysis.RECOMPUTE:
             ax.text(center_ms, b.cell, label, ha="center", va="center",
                     fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
-                    gid=f"{timeline.box_name(b)} label",
+                    gid=f"{trace_analysis.box_name(b)} label",
                     bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
                           "edgecolor": "none", "alpha": 0.85})
 
 
-def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
+def _draw_breakdown(ax, breakdown: trace_analysis.Breakdown) -> None:
     left = 0.0
     for part, name in BREAKDOWN_PARTS.items():
         share = 100.0 * float(getattr(breakdown, part))
@@ -199,13 +209,13 @@ def _draw_breakdown(ax, breakdown: timeline.Breakdown) -> None:
         ax.spines[side].set_visible(False)
 
 
-def gantt_figure(measured: Sequence[timeline.Box], info: StepInfo,
-                 predicted: Sequence[timeline.Box] | None = None,
-                 breakdown: timeline.Breakdown | None = None) -> Figure:
+def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
+                 predicted: Sequence[trace_analysis.Box] | None = None,
+                 breakdown: trace_analysis.Breakdown | None = None) -> Figure:
     """The chart of one step's `measured` boxes (see the module docstring).
 
     Args:
-      measured: the boxes of one step (`timeline.boxes_from_events`).
+      measured: the boxes of one step (`trace_analysis.boxes_from_events`).
       info: the title's facts; `info.num_cells` rows are drawn.
       predicted: the schedule's prediction (`ideal_timeline.predict_from_measured`), drawn
         under the measured step on the same axis.
@@ -268,12 +278,3 @@ def render_rgb(fig: Figure) -> np.ndarray:
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-def render_png(fig: Figure) -> bytes:
-    """The figure as PNG bytes."""
-    import io
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()

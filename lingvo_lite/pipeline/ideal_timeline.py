@@ -19,10 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline import simulator, timeline
+from lingvo_lite.pipeline import simulator, trace_analysis
+
+__all__ = ["mean_busy_ns", "predict_boxes", "predict_from_measured"]
 
 
-def mean_busy_ns(boxes: Sequence[timeline.Box]) -> dict[tuple[int, str], float]:
+def mean_busy_ns(boxes: Sequence[trace_analysis.Box]) -> dict[tuple[int, str], float]:
     """(cell, phase) -> mean busy time of that cell's boxes of that phase."""
     sums: dict[tuple[int, str], list[float]] = {}
     for b in boxes:
@@ -33,7 +35,7 @@ def mean_busy_ns(boxes: Sequence[timeline.Box]) -> dict[tuple[int, str], float]:
 
 
 def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int, str], float],
-                  recomputed: set[tuple[int, int]] = frozenset()) -> list[timeline.Box]:
+                  recomputed: set[tuple[int, int]] = frozenset()) -> list[trace_analysis.Box]:
     """The boxes the simulator predicts for `sched` when phase p on cell k takes
     durations_ns[(k, p)].
 
@@ -45,11 +47,11 @@ def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int,
 
     Returns:
       Boxes starting at time 0, each busy for its whole span, sorted like
-      `timeline.boxes_from_events`.
+      `trace_analysis.boxes_from_events`.
     """
     def recompute_ns(a: schedule_lib.Action) -> float:
         if a.phase is schedule_lib.Phase.BACKWARD and (a.cell, a.micro_batch) in recomputed:
-            return durations_ns.get((a.cell, timeline.RECOMPUTE), 0.0)
+            return durations_ns.get((a.cell, trace_analysis.RECOMPUTE), 0.0)
         return 0.0
 
     def duration(a: schedule_lib.Action) -> float:
@@ -60,19 +62,19 @@ def predict_boxes(sched: schedule_lib.Schedule, durations_ns: Mapping[tuple[int,
 
     def add(cell: int, phase: str, micro_batch: int, start: float, end: float) -> None:
         s, e = round(start), round(end)
-        boxes.append(timeline.Box(cell, phase, micro_batch, s, e, e - s, 0, ((s, e),)))
+        boxes.append(trace_analysis.Box(cell, phase, micro_batch, s, e, e - s, 0, ((s, e),)))
 
     for a in sched.actions():
         start, end = step.start[a], step.end[a]
         split = start + recompute_ns(a)
         if split > start:
-            add(a.cell, timeline.RECOMPUTE, a.micro_batch, start, split)
+            add(a.cell, trace_analysis.RECOMPUTE, a.micro_batch, start, split)
         add(a.cell, a.phase.value, a.micro_batch, split, end)
-    return sorted(boxes, key=lambda b: (b.cell, b.start_ns, timeline.PHASES.index(b.phase)))
+    return sorted(boxes, key=lambda b: (b.cell, b.start_ns, trace_analysis.PHASES.index(b.phase)))
 
 
 def predict_from_measured(sched: schedule_lib.Schedule,
-                          measured: Sequence[timeline.Box]) -> list[timeline.Box]:
+                          measured: Sequence[trace_analysis.Box]) -> list[trace_analysis.Box]:
     """`predict_boxes` with the measured step's mean durations and re-computed micro-batches."""
-    recomputed = {(b.cell, b.micro_batch) for b in measured if b.phase == timeline.RECOMPUTE}
+    recomputed = {(b.cell, b.micro_batch) for b in measured if b.phase == trace_analysis.RECOMPUTE}
     return predict_boxes(sched, mean_busy_ns(measured), recomputed)

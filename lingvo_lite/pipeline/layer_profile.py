@@ -60,6 +60,8 @@ from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import micro_batch, placement, tf_private
 
+__all__: list[str] = []
+
 FILE_FORMAT = "lingvo_lite.layer_profile/1"
 DEFAULT_WARMUP_RUNS = 2
 DEFAULT_TIMED_RUNS = 5

@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from lingvo_lite.nested_map import NestedMap
 
+__all__: list[str] = []
+
 # Scalar outputs that count examples (or real tokens) in a micro-batch: they are
 # summed across micro-batches, and weigh the other scalars' means.
 WEIGHT_KEYS = ("loss_weight", "num_examples")

@@ -18,7 +18,7 @@ once per micro-batch. Two kinds of names come out of that:
 
 With data-parallel replicas every name above is preceded by `replica_{r}/`. `parse` maps any of
 these to a `ParsedName`; a function-body op's micro-batch comes from the order in which its
-function ran (`timeline.assign_micro_batches`).
+function ran (`trace_analysis.assign_micro_batches`).
 
 Example:
     >>> parse("gradient_tape/cell_1/fprop_mb_3/fprop/dense/MatMul/MatMul")
@@ -31,6 +31,8 @@ import dataclasses
 import re
 
 from lingvo_lite.pipeline.schedule import Phase, Schedule
+
+__all__: list[str] = []
 
 FORWARD, RECOMPUTE, BACKWARD, WEIGHT = "F", "R", "B", "W"
 RECOMPUTE_SCOPE = "recompute"

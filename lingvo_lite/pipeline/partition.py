@@ -30,6 +30,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
+__all__ = [
+    "format_si",
+    "lingvo_cumulative_split",
+    "make_partition",
+    "METHODS",
+    "Partition",
+    "partition_min_max",
+    "partition_min_variance",
+    "split_points_to_sizes",
+    "uniform_sizes",
+]
+
 METHODS = ('min_max', 'min_variance', 'uniform', 'explicit')
 
 _OBJECTIVES = {

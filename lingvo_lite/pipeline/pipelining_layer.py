@@ -45,6 +45,8 @@ from lingvo_lite.pipeline import (
 )
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
+__all__ = ["PARTITION_COSTS", "PipeliningLayer"]
+
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
 WEIGHT_GRADIENTS = ("per_micro_batch", "batched")
@@ -87,6 +89,51 @@ class PipeliningLayer(base_layer.BaseLayer):
     `loss_weight` (or, if absent, `num_examples`) is not a metric but the micro-batch's
     weight in that mean (e.g. its real token count) and is summed across micro-batches.
     Those two names are reserved: they must be scalars >= 0.
+
+    Example (the README's tour): three projections and a loss, 2 cells on 2 logical CPU
+    devices standing in for accelerators, 4 micro-batches.
+
+    >>> import tensorflow as tf
+    >>> from lingvo_lite import devices
+    >>> _ = devices.configure_logical_cpus(2)   # before any TF op
+    >>> from lingvo_lite import fprop_context
+    >>> from lingvo_lite.layers import dense, losses, structural
+    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.pipeline import pipelining_layer
+    >>> def proj(name, i, o):                   # a tensor layer applied to the boundary map's 'x'
+    ...     return structural.FieldLayer.Params().Set(
+    ...         name=name, field='x',
+    ...         sub=dense.ProjectionLayer.Params().Set(name='proj', input_dim=i, output_dim=o,
+    ...                                                activation='RELU'))
+    >>> loss = structural.FieldsLayer.Params().Set(
+    ...     name='loss', fields=['x', 'labels'],
+    ...     sub=losses.SoftmaxCrossEntropyLayer.Params().Set(name='xent', input_dim=64,
+    ...                                                      num_classes=10))
+    >>> p = pipelining_layer.PipeliningLayer.Params().Set(
+    ...     name='pipe', layers=[proj('l0', 32, 64), proj('l1', 64, 64), proj('l2', 64, 64), loss],
+    ...     num_cells=2, num_micro_batches=4, remat='always',
+    ...     input_shapes=NestedMap(x=tf.TensorShape([16, 32]), labels=tf.TensorShape([16])))
+    >>> print(pipelining_layer.PipeliningLayer.ComputePartition(p).report())  # no weights yet
+    Partition of 4 layers into 2 cells by flops
+     cell  layers                   #layers  flops   share
+    ------------------------------------------------------
+        0  layers 0-1 (l0 .. l1)          2   201k   56.4%
+        1  layers 2-3 (l2 .. loss)        2   155k   43.6%
+    ------------------------------------------------------
+    total                                 4   356k  100.0%
+    imbalance (max/mean): 1.13
+    objective: min_max (minimise the largest cell cost; ties: smaller sum of squares)
+    >>> pipe = p.Instantiate()
+    >>> batch = NestedMap(x=tf.random.normal([16, 32]), labels=tf.zeros([16], tf.int32))
+    >>> with fprop_context.fprop_context(training=True):
+    ...     out, grads = pipe.FPropAndGrads(pipe.theta, batch)   # grads shaped like pipe.theta
+    ...     # With layers outside the pipeline (an embedding before it): d(loss)/d(batch) too,
+    ...     # computed by the pipeline's own schedule and recomputation.
+    ...     out, grads, dbatch = pipe.FPropAndGrads(pipe.theta, batch, return_input_grads=True)
+    >>> out.loss.shape, dbatch.x.shape
+    (TensorShape([]), TensorShape([16, 32]))
+    >>> all(g.shape == w.shape for g, w in zip(grads.Flatten(), pipe.theta.Flatten()))
+    True
     """
 
     @classmethod

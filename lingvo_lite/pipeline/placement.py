@@ -1,4 +1,4 @@
-"""Placement: which device runs pipeline cell k.
+"""Which device runs pipeline cell k: the `placement` param of a PipeliningLayer, resolved.
 
 Model code never names devices. A placement (a string such as 'cpu' or
 'cluster:worker', or a list of device names) maps cell indices to devices of one
@@ -13,6 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
+
+__all__ = [
+    "choose_path",
+    "cluster_devices",
+    "describe_mesh",
+    "DEVICES_PATH",
+    "resolve_devices",
+    "resolve_mesh",
+    "TPU_STRATEGY_PATH",
+    "visible_device_counts",
+]
 
 PLACEMENTS = ("auto", "cpu", "gpu", "tpu", "cluster")
 # How a PipeliningLayer places its cells (see choose_path).

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
 
+__all__: list[str] = []
+
 REMAT_MODES = ("always", "except_last", "never")
 
 

@@ -45,6 +45,20 @@ import enum
 import operator
 from collections.abc import Sequence
 
+__all__ = [
+    "Action",
+    "action_token",
+    "dependencies",
+    "GPipeSchedule",
+    "InterleavedSchedule",
+    "make_schedule",
+    "OneFOneBSchedule",
+    "Phase",
+    "Schedule",
+    "SCHEDULES",
+    "ZeroBubbleSchedule",
+]
+
 
 class Phase(enum.Enum):
     """Forward, backward (the whole backward, or its input-gradient part) or weight gradient."""

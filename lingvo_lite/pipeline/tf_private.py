@@ -10,7 +10,7 @@ Each of these has no public equivalent in TensorFlow 2.21:
   or an unused output is enough to trigger it; with 2KT call sites that doubled the first
   step's run time). tf.function accepts only listed attributes: `allow_function_attributes`
   adds `_nospecialize` to its lists;
-- `xplane_pb2`: the profiler's trace protobuf, read by `timeline`.
+- `xplane_pb2`: the profiler's trace protobuf, read by `trace_analysis`.
 
 If a TensorFlow upgrade breaks the pipeline, look here first.
 """
@@ -21,6 +21,8 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from types import ModuleType
+
+__all__: list[str] = []
 
 SERIAL_EXECUTOR = "SINGLE_THREADED_EXECUTOR"
 NO_INLINE = {"_noinline": True, "_nospecialize": True}
@@ -48,7 +50,7 @@ def serial_function_calls(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    # Imported here: this module is also read by TensorFlow-free analysis code (timeline).
+    # Imported here: this module is also read by TensorFlow-free analysis code (trace_analysis).
     from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
     from tensorflow.python.eager import context as tf_context
 

@@ -44,6 +44,20 @@ from typing import Any, ContextManager
 import numpy as np
 import tensorflow as tf
 
+__all__ = [
+    "cell_scope",
+    "chain_order",
+    "colocated",
+    "computation_shape",
+    "create_tpu_strategy",
+    "current_tpu_strategy",
+    "device_assignment",
+    "logical_core_of",
+    "logical_cores_per_replica",
+    "strategy_mesh",
+    "tpu_mesh",
+]
+
 
 def _describe_slice(mesh_shape: Sequence[int]) -> str:
     cores = int(np.prod(mesh_shape))

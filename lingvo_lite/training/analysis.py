@@ -17,6 +17,8 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import micro_batch, partition, pipelining_layer, simulator
 from lingvo_lite.training import model_config
 
+__all__: list[str] = []
+
 
 def format_shapes(shapes: Any) -> str:
     """Readable shapes: `[16, 8]`, `{x: [16, 8], labels: [16]}`, tuples as `(a, b)`."""

@@ -45,6 +45,8 @@ import tensorflow as tf
 
 from lingvo_lite.training import interrupts
 
+__all__: list[str] = []
+
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUBDIR = "damaged"
 GLOBAL_STEP_KEY = "model/global_step/.ATTRIBUTES/VARIABLE_VALUE"

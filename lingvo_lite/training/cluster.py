@@ -35,6 +35,8 @@ from collections.abc import Callable, Mapping
 
 from lingvo_lite.training.options import UsageError
 
+__all__: list[str] = []
+
 JOB = "worker"
 LOST_AFTER_S = 15.0  # A task unreachable this long is lost (the whole run stops within ~20 s).
 CHIEF_START_TIMEOUT_S = 120.0  # How long a worker waits for the chief to come up.

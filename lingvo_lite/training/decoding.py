@@ -15,6 +15,8 @@ from typing import TextIO
 
 from lingvo_lite.training import model_config
 
+__all__: list[str] = []
+
 Job = Callable[[], int]
 
 

@@ -46,6 +46,8 @@ from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
+__all__: list[str] = []
+
 # float32 gradients of the same model summed in another order (per micro-batch, per cell) differ
 # in the last bits: on every registered model (shrunk, K=2/T=2 and K=4/T=4) the largest measured
 # difference was 2e-6, except 7.2e-5 where batch norm normalises 2-example micro-batches of 2x2

@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+__all__: list[str] = []
+
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Test-only: `point=SIGNAL[,point=SIGNAL...]`; see maybe_signal_self.
 TEST_SIGNAL_ENV = "LINGVO_LITE_TEST_SIGNAL_AT"

@@ -20,6 +20,8 @@ import socket
 import time
 from collections.abc import Callable
 
+__all__: list[str] = []
+
 LOCK_FILE = "trainer.lock"
 
 

@@ -30,6 +30,8 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import checkpointer, interrupts, summaries
 from lingvo_lite.training.options import TrainingError
 
+__all__: list[str] = []
+
 TRAIN_SUBDIR = "train"
 SKIPPED_UPDATES_KEY = "trainer/skipped_updates"  # Checkpoint key of the skipped-update counter.
 PARAMS_FILE = "params.txt"

@@ -22,6 +22,8 @@ from typing import Any
 from lingvo_lite import hyperparams, model_registry
 from lingvo_lite.training.options import RunOptions, UsageError
 
+__all__: list[str] = []
+
 
 @dataclasses.dataclass
 class ModelConfig:
@@ -82,8 +84,8 @@ def import_model_modules(modules: list[str] | tuple[str, ...]) -> None:
 def resolve_model_class(name: str) -> type:
     """The params class for `--model`: a registered name, else a `module.path.ClassName`.
 
-    A fully-qualified path is imported on demand, so a model defined outside `model_params/`
-    (e.g. a test model) can be trained without registering it under `model_params/`.
+    A fully-qualified path is imported on demand, so a model defined outside the declared model
+    packages (e.g. a test model) can be trained without registering it there.
     """
     try:
         return model_registry.get_class(name)
@@ -273,6 +275,7 @@ def list_models_text(modules: list[str] | tuple[str, ...] = ()) -> str:
     import_model_modules(list(modules))
     models = model_registry.list_models()
     if not models:
-        return "No registered models (add modules under model_params/).\n"
+        packages = ", ".join(f"{p}/" for p in model_registry.model_packages()) or "a package"
+        return f"No registered models (add modules under {packages}).\n"
     width = max(len(n) for n in models)
     return "".join(f"{name:<{width}}  {doc}\n" for name, doc in models.items())

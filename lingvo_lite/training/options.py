@@ -14,6 +14,15 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+__all__ = [
+    "MODES",
+    "parse_int_list",
+    "parse_profile_steps",
+    "RunOptions",
+    "TrainingError",
+    "UsageError",
+]
+
 MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_params",
          "inspect_model", "check_equivalence", "plan")
 TRAIN_MODES = ("train", "train_and_eval")
@@ -130,9 +139,7 @@ class RunOptions:
         if self.mode == "plan":
             self._validate_plan()
         if self.profile_steps:
-            from lingvo_lite.training import profiling
-
-            profiling.parse_profile_steps(self.profile_steps)
+            parse_profile_steps(self.profile_steps)
         if self.tpu is not None and self.mode in LOGDIR_MODES and self.mode != "train":
             raise UsageError(f"--tpu: only --mode=train runs on TPUs, not --mode={self.mode}; "
                              "drop --tpu to evaluate on CPU or GPU.")
@@ -201,3 +208,23 @@ def parse_int_list(flag: str, values: Sequence[str]) -> list[int]:
             raise UsageError(
                 f"--{flag}: {v!r} is not an integer; pass e.g. --{flag}=2,4,8.") from None
     return out
+
+
+def parse_profile_steps(value: str | None) -> tuple[int, int] | None:
+    """'N,M' (or 'N') -> (N, M); '' or None -> None. UsageError names --profile_steps."""
+    if value is None or not str(value).strip():
+        return None
+    parts = [p.strip() for p in str(value).split(",")]
+    try:
+        steps = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError(
+            f"--profile_steps={value!r} is not 'N,M'; pass the first and last global step to "
+            "profile, e.g. --profile_steps=5,7.") from None
+    if len(steps) == 1:
+        steps = steps * 2
+    if len(steps) != 2 or steps[0] < 1 or steps[1] < steps[0]:
+        raise UsageError(
+            f"--profile_steps={value!r} must be 'N,M' with 1 <= N <= M (global steps, "
+            "inclusive), e.g. --profile_steps=5,7.")
+    return steps[0], steps[1]

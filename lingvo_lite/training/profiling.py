@@ -3,7 +3,7 @@
 `trainer.py --profile_steps=N,M` captures global steps N..M (inclusive) with
 `tf.profiler.experimental` into `<logdir>/train` (TensorBoard's profile tab, from the optional
 tensorboard-plugin-profile package, opens it as run `train`), then reads the trace back
-(`lingvo_lite.pipeline.timeline`) and writes, at step M of the `train` run:
+(`lingvo_lite.pipeline.trace_analysis`) and writes, at step M of the `train` run:
   - `pipeline/gantt`: a chart of the last profiled step (`lingvo_lite.pipeline.gantt`): one
     row per device, a box per forward, re-computation and backward of each micro-batch, the
     timeline the schedule simulator predicts under it, and the step's Figure 4 breakdown;
@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from lingvo_lite.training import options as options_lib
+__all__: list[str] = []
 
 PROFILE_SUBDIR = "train"
 
@@ -62,26 +62,6 @@ class PipelineDescription:
         return cls(model=model)
 
 
-def parse_profile_steps(value: str | None) -> tuple[int, int] | None:
-    """'N,M' (or 'N') -> (N, M); '' or None -> None. UsageError names --profile_steps."""
-    if value is None or not str(value).strip():
-        return None
-    parts = [p.strip() for p in str(value).split(",")]
-    try:
-        steps = [int(p) for p in parts]
-    except ValueError:
-        raise options_lib.UsageError(
-            f"--profile_steps={value!r} is not 'N,M'; pass the first and last global step to "
-            "profile, e.g. --profile_steps=5,7.") from None
-    if len(steps) == 1:
-        steps = steps * 2
-    if len(steps) != 2 or steps[0] < 1 or steps[1] < steps[0]:
-        raise options_lib.UsageError(
-            f"--profile_steps={value!r} must be 'N,M' with 1 <= N <= M (global steps, "
-            "inclusive), e.g. --profile_steps=5,7.")
-    return steps[0], steps[1]
-
-
 class StepProfiler:
     """Captures global steps [first, last] and summarises them (see the module docstring).
 
@@ -108,7 +88,7 @@ class StepProfiler:
     def step(self, step_number: int, writers=None) -> Iterator[None]:
         import tensorflow as tf
 
-        from lingvo_lite.pipeline import timeline
+        from lingvo_lite.pipeline import trace_analysis
 
         if not self.first <= step_number <= self.last:
             yield
@@ -117,7 +97,7 @@ class StepProfiler:
             os.makedirs(self.trace_dir, exist_ok=True)
             tf.profiler.experimental.start(self.trace_dir)
             self._active = True
-        with tf.profiler.experimental.Trace(timeline.STEP_TRACE_NAME, step_num=step_number,
+        with tf.profiler.experimental.Trace(trace_analysis.STEP_TRACE_NAME, step_num=step_number,
                                             _r=1):
             yield
         if step_number == self.last:
@@ -159,22 +139,22 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
 
     Returns None when the trace holds no pipeline op (a model without PipeliningLayer).
     """
-    from lingvo_lite.pipeline import timeline
+    from lingvo_lite.pipeline import trace_analysis
 
     description = description or PipelineDescription()
-    spaces = timeline.load_xspaces(trace_dir)
-    events = timeline.op_events(spaces)
-    windows = timeline.step_windows(spaces) or [(0, -1, 2**62)]
+    spaces = trace_analysis.load_xspaces(trace_dir)
+    events = trace_analysis.op_events(spaces)
+    windows = trace_analysis.step_windows(spaces) or [(0, -1, 2**62)]
     steps = []
     last_boxes: list = []
     last_breakdown = None
     for step, start, end in windows:
-        step_events = timeline.events_in(events, start, end)
-        boxes = timeline.boxes_from_events(step_events, description.schedule,
+        step_events = trace_analysis.events_in(events, start, end)
+        boxes = trace_analysis.boxes_from_events(step_events, description.schedule,
                                            description.remat, description.virtual_stages)
         if not boxes:
             continue
-        last_breakdown = timeline.compute_breakdown(step_events)
+        last_breakdown = trace_analysis.compute_breakdown(step_events)
         steps.append({"step": step, **last_breakdown.as_scalars(prefix="")})
         last_boxes = boxes
     if not steps:

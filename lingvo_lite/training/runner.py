@@ -26,10 +26,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from lingvo_lite.training import interrupts, model_config
-from lingvo_lite.training.options import TRAIN_MODES, RunOptions, TrainingError, UsageError
+from lingvo_lite.training.options import (
+    TRAIN_MODES,
+    RunOptions,
+    TrainingError,
+    UsageError,
+    parse_profile_steps,
+)
 
 if TYPE_CHECKING:
     import tensorflow as tf
+
+__all__ = ["main", "prepare"]
 
 USER_ERRORS = (ValueError, KeyError, AttributeError, FileNotFoundError)
 Job = Callable[[], int]
@@ -45,6 +53,36 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
 
     SIGINT and SIGTERM raise `Interrupted` during setup and outside the training loop, which
     stops at a step boundary itself; after the first, further signals are only noted.
+
+    `trainer.py --mode=M` runs `main(RunOptions(mode=M, ...))`; the modes that need no logdir
+    run in-process in a moment (the others: README, "Registered models"):
+
+    >>> import io
+    >>> from lingvo_lite import model_registry
+    >>> from lingvo_lite.training import RunOptions, main
+    >>> model_registry.add_model_package("model_params")      # As trainer.py does.
+    >>> out = io.StringIO()
+    >>> main(RunOptions(mode="list_models"), out=out)
+    0
+    >>> "image.AmoebaNetDigits" in out.getvalue()
+    True
+    >>> out = io.StringIO()
+    >>> main(RunOptions(mode="inspect_params", model="image.AmoebaNetDigits",
+    ...                 model_params_override="train.learning_rate : 0.01"), out=out)
+    0
+    >>> [line for line in out.getvalue().splitlines() if line.startswith("train.learning_rate ")]
+    ['train.learning_rate : 0.01']
+    >>> out = io.StringIO()
+    >>> main(RunOptions(mode="inspect_model", model="image.AmoebaNetDigits",
+    ...                 inspect_num_cells=[2]), out=out)                  # No weight allocated.
+    0
+    >>> print(out.getvalue().split("Partition of ")[1].splitlines()[0])
+    7 layers into 2 cells by flops
+    >>> err = io.StringIO()
+    >>> main(RunOptions(mode="train", model="image.AmoebaNetDigits"), err=err)  # A user error:
+    1
+    >>> print(err.getvalue().strip())  # doctest: +ELLIPSIS
+    trainer.py: error: --logdir is required for --mode=train; pass the run's directory, ...
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -472,7 +510,7 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
     if options.profile_steps:
         from lingvo_lite.training import profiling
 
-        first, last = profiling.parse_profile_steps(options.profile_steps)
+        first, last = parse_profile_steps(options.profile_steps)
         start = trainer.global_step + 1
         if first < start or last > max_steps:
             what = ("none of them" if last < start or first > max_steps else

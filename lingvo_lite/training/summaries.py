@@ -22,6 +22,8 @@ import tensorflow as tf
 from tensorflow.core.util import event_pb2
 from tensorflow.python.ops import summary_ops_v2
 
+__all__: list[str] = []
+
 
 def as_markdown_code(text: str) -> str:
     """Indents every line by four spaces: TensorBoard's text plugin then shows it verbatim."""

@@ -6,6 +6,8 @@ from lingvo_lite import hyperparams, pipelined_task
 from lingvo_lite.nested_map import NestedMap
 from tasks.image import amoebanet
 
+__all__ = ["amoebanet_task_params", "ImageClassifierTask"]
+
 
 class ImageClassifierTask(pipelined_task.PipelinedTask):
     """Classifies `image` into `label`: the AmoebaNet layers, partitioned into cells."""

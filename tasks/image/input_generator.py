@@ -25,6 +25,16 @@ from absl import logging
 from lingvo_lite import base_input_generator, hyperparams
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = [
+    "BaseImageInput",
+    "cutout",
+    "digits_split_indices",
+    "DigitsInput",
+    "ImageFolderInput",
+    "pad_and_crop",
+    "TfdsImageInput",
+]
+
 _SPLITS = ("train", "dev", "test")
 
 

@@ -25,6 +25,20 @@ from __future__ import annotations
 import os
 import random
 
+__all__ = [
+    "generate",
+    "number_de",
+    "number_en",
+    "ordinal_de_dative",
+    "ordinal_en",
+    "sentence_pair",
+    "split_paths",
+    "SPLITS",
+    "write_corpus",
+    "year_de",
+    "year_en",
+]
+
 SPLITS = ("train", "dev", "test")
 DEFAULT_SIZES = {"train": 30000, "dev": 500, "test": 500}
 SOURCE_SUFFIX = "src"

@@ -31,6 +31,15 @@ from lingvo_lite import base_input_generator, hyperparams
 from lingvo_lite.nested_map import NestedMap
 from tasks.mt import corpus, vocab
 
+__all__ = [
+    "batch_for_decoding",
+    "DEFAULT_DATA_DIR",
+    "encode_split",
+    "ParallelTextInput",
+    "prepare_data_dir",
+    "SplitData",
+]
+
 GENERATORS = ("", "en_de_numbers")
 DEFAULT_DATA_DIR = "~/.cache/lingvo_lite/mt_en_de_numbers"
 

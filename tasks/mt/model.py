@@ -20,6 +20,8 @@ from lingvo_lite import fprop_context, hyperparams, pipelined_task
 from lingvo_lite.nested_map import NestedMap
 from tasks.mt import input_generator, layers, search, vocab
 
+__all__ = ["corpus_bleu", "DecodeResult", "transformer_task_params", "TransformerMtTask"]
+
 NETWORK_FIELDS = ("src_ids", "src_paddings", "tgt_ids", "tgt_paddings", "tgt_labels",
                   "tgt_weights")
 

@@ -21,6 +21,8 @@ import tensorflow as tf
 
 from lingvo_lite.nested_map import NestedMap
 
+__all__ = ["beam_search", "greedy_search", "length_penalty"]
+
 LogProbFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 _NEG = -1e9  # Log-probability of an excluded choice: finite, so sums never produce NaN.
 

@@ -13,6 +13,8 @@ import os
 
 import sentencepiece as spm
 
+__all__ = ["BOS_ID", "ensure_model", "EOS_ID", "model_path", "PAD_ID", "train_model", "Vocabulary"]
+
 PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2

@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from lingvo_lite import hyperparams
 
+__all__ = ["BaseSchedule", "Constant", "CosineDecay", "ExponentialDecay", "TransformerSchedule"]
+
 
 class BaseSchedule:
     """`value(step)` is the factor the base learning rate is multiplied by."""

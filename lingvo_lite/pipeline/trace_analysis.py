@@ -33,6 +33,27 @@ from collections.abc import Iterable, Sequence
 
 from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
 
+__all__ = [
+    "Box",
+    "box_name",
+    "boxes_from_events",
+    "Breakdown",
+    "classify_events",
+    "classify_op",
+    "compute_breakdown",
+    "events_in",
+    "find_xplane_files",
+    "load_xspaces",
+    "merge_intervals",
+    "op_events",
+    "OpEvent",
+    "PHASES",
+    "STEP_TRACE_NAME",
+    "step_windows",
+    "union_ns",
+    "WEIGHT",
+]
+
 FORWARD, RECOMPUTE, BACKWARD = op_names.FORWARD, op_names.RECOMPUTE, op_names.BACKWARD
 WEIGHT = op_names.WEIGHT  # The weight gradient of a split backward (zero-bubble).
 PHASES = (FORWARD, RECOMPUTE, BACKWARD, WEIGHT)
@@ -291,23 +312,6 @@ def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
     return sorted(boxes, key=lambda b: (b.cell, b.start_ns, PHASES.index(b.phase)))
 
 
-def cell_orders(boxes: Sequence[Box]) -> dict[int, list[tuple[str, int]]]:
-    """Per cell, its actions as (F|B|W, micro_batch) in the order they started.
-
-    Re-computation belongs to its backward action (the schedule has no separate R action), so
-    an action starts at its earliest R or B op.
-    """
-    starts: dict[tuple[int, str, int], int] = {}
-    for b in boxes:
-        phase = BACKWARD if b.phase == RECOMPUTE else b.phase
-        key = (b.cell, phase, b.micro_batch)
-        starts[key] = min(starts.get(key, b.start_ns), b.start_ns)
-    orders: dict[int, list[tuple[str, int]]] = {}
-    for (cell, phase, t), start in sorted(starts.items(), key=lambda kv: (kv[0][0], kv[1])):
-        orders.setdefault(cell, []).append((phase, t))
-    return orders
-
-
 # ---------------------------------------------------------------------------------------------
 # The Figure 4 breakdown.
 
@@ -358,8 +362,3 @@ def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None) -
         device_busy=tuple(b / step_ns for b in busy),
         device_idle_in_pipeline=tuple(1.0 - b / pipe_ns for b in busy),
     )
-
-
-def theoretical_bubble(num_cells: int, num_micro_batches: int) -> float:
-    """GPipe's idle fraction of a balanced fill-drain pipeline: (K-1)/(T+K-1)."""
-    return (num_cells - 1) / (num_micro_batches + num_cells - 1)

@@ -6,7 +6,7 @@ import math
 
 import tensorflow as tf
 
-from lingvo_lite import lr_schedule
+from lingvo_lite import learning_rate
 
 STEPS = [0, 1, 2, 99, 100, 101, 299, 300, 301, 999, 1000, 1500]
 
@@ -19,30 +19,30 @@ def _values(params) -> list[float]:
 class ScheduleTest(tf.test.TestCase):
 
     def test_constant(self):
-        self.assertAllClose([1.0] * len(STEPS), _values(lr_schedule.Constant.Params()))
+        self.assertAllClose([1.0] * len(STEPS), _values(learning_rate.Constant.Params()))
 
     def test_exponential_decay_staircase_and_smooth(self):
         for staircase in (True, False):
-            params = lr_schedule.ExponentialDecay.Params().Set(
+            params = learning_rate.ExponentialDecay.Params().Set(
                 decay_rate=0.97, decay_steps=100, staircase=staircase)
             want = [0.97 ** (math.floor(s / 100) if staircase else s / 100) for s in STEPS]
             self.assertAllClose(want, _values(params), rtol=1e-6)
 
     def test_exponential_decay_warm_up(self):
-        params = lr_schedule.ExponentialDecay.Params().Set(
+        params = learning_rate.ExponentialDecay.Params().Set(
             decay_rate=0.5, decay_steps=300, warmup_steps=100)
         want = [0.5 ** math.floor(s / 300) * min(1.0, (s + 1) / 100) for s in STEPS]
         self.assertAllClose(want, _values(params), rtol=1e-6)
 
     def test_transformer_schedule(self):
-        params = lr_schedule.TransformerSchedule.Params().Set(warmup_steps=300, model_dim=512)
+        params = learning_rate.TransformerSchedule.Params().Set(warmup_steps=300, model_dim=512)
         want = [512 ** -0.5 * min((s + 1) ** -0.5, (s + 1) * 300 ** -1.5) for s in STEPS]
         self.assertAllClose(want, _values(params), rtol=1e-6)
         # The peak is at the end of the warm-up.
         self.assertEqual(STEPS.index(299), max(range(len(want)), key=want.__getitem__))
 
     def test_cosine_decay(self):
-        params = lr_schedule.CosineDecay.Params().Set(
+        params = learning_rate.CosineDecay.Params().Set(
             warmup_steps=100, total_steps=1000, final_factor=0.1)
 
         def factor(s):
