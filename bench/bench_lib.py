@@ -40,7 +40,7 @@ def _transformer_block_cls():
         """Pre-LN self-attention with residual, then a pre-LN feed-forward with residual."""
 
         @classmethod
-        def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+        def Params(cls) -> hyperparams.InstantiableParams:
             p = super().Params()
             p.Define("model_dim", 0, "Depth D.")
             p.Define("hidden_dim", 0, "Feed-forward hidden depth.")
@@ -61,13 +61,13 @@ def _transformer_block_cls():
             for name, child in self._children(self.params).items():
                 self.CreateChild(name, child)
 
-        def FProp(self, theta, x):  # noqa: N802
+        def FProp(self, theta, x):
             h = self.ln.FProp(theta.ln, x)
             x = x + self.atten.FProp(theta.atten, h, h, h)
             return self.ffn.FProp(theta.ffn, x)
 
         @classmethod
-        def FPropMeta(cls, p, x_shape):  # noqa: N802
+        def FPropMeta(cls, p, x_shape):
             shape = base_layer.to_shape(x_shape)
             flops, params = float(shape.num_elements()), 0
             saved = base_layer.activation_bytes(shape)  # The attention residual's sum.

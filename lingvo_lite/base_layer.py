@@ -135,7 +135,7 @@ class BaseLayer(tf.Module):
     children that need more than params, e.g. a device per child)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = hyperparams.InstantiableParams(cls)
         p.Define("name", "", "Layer name; unique among its siblings.")
         p.Define("dtype", tf.float32, "Dtype of the layer's variables.")
@@ -251,14 +251,14 @@ class BaseLayer(tf.Module):
         finally:
             stack.pop()
 
-    def CreateChild(self, name: str, params: hyperparams.InstantiableParams) -> BaseLayer:  # noqa: N802
+    def CreateChild(self, name: str, params: hyperparams.InstantiableParams) -> BaseLayer:
         """Instantiates `params` as child `name`; reachable as `self.<name>` and in theta."""
         self._check_new_name(name)
         child = self._instantiate_child(name, params)
         self._private_children[name] = child
         return child
 
-    def CreateChildren(  # noqa: N802
+    def CreateChildren(
         self,
         name: str,
         params_list: Sequence[hyperparams.InstantiableParams],
@@ -283,7 +283,7 @@ class BaseLayer(tf.Module):
         self._private_children[name] = children
         return children
 
-    def CreateVariable(  # noqa: N802
+    def CreateVariable(
         self, name: str, wp: weight_params.WeightParams, trainable: bool = True
     ) -> tf.Variable:
         """Creates a variable deterministically initialised from `wp` and the seed."""
@@ -331,26 +331,26 @@ class BaseLayer(tf.Module):
         """The weights FProp reads; by default the variables themselves."""
         return self.vars
 
-    def FPropDefaultTheta(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+    def FPropDefaultTheta(self, *args: Any, **kwargs: Any) -> Any:
         """FProp with this layer's own variables as theta."""
         return self.FProp(self.theta, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.FPropDefaultTheta(*args, **kwargs)
 
-    def FProp(self, theta: NestedMap, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.FProp")
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:
         """Cost of FProp from input shapes alone; see `fprop_meta`."""
         raise NotImplementedError(f"{cls.__name__}.FPropMeta")
 
-    def ApplyUpdates(self, stats_list: list[Any]) -> tf.Operation:  # noqa: N802
+    def ApplyUpdates(self, stats_list: list[Any]) -> tf.Operation:
         """Applies statistics this layer reported to an UpdateCollector (e.g. batch norm)."""
         raise NotImplementedError(f"{type(self).__name__} reported updates but cannot apply them.")
 
-    def CastTheta(self, theta: NestedMap) -> NestedMap:  # noqa: N802
+    def CastTheta(self, theta: NestedMap) -> NestedMap:
         """theta with floating weights cast to the fprop dtype (mixed precision)."""
         dtype = self.fprop_dtype
         if dtype == self.params.dtype:
@@ -364,3 +364,7 @@ def _with_init(
     wp: weight_params.WeightParams, init: weight_params.WeightInit
 ) -> weight_params.WeightParams:
     return dataclasses.replace(wp, init=init)
+
+
+__all__ = ["BaseLayer", "fprop_meta", "activation_bytes", "saved_activation_bytes",
+    "extra_param_counts", "to_shape", "DEFAULT_SAVED_ACTIVATION_FACTOR", "EXTRA_PARAM_COUNTS"]

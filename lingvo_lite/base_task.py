@@ -66,7 +66,7 @@ class BaseTask(base_layer.BaseLayer):
     """The root layer of a trainable model."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("input", None, "Training input generator params (set from the model params).")
         p.Define("train", _train_params(), "Training hyperparameters.")
@@ -132,7 +132,7 @@ class BaseTask(base_layer.BaseLayer):
             self.sync_replicas()
         self._optimizer_ready = True
 
-    def ComputeLossAndGrads(  # noqa: N802
+    def ComputeLossAndGrads(
         self, theta: NestedMap, input_batch: NestedMap
     ) -> tuple[NestedMap, NestedMap]:
         """Forward and backward of one mini-batch.
@@ -146,7 +146,7 @@ class BaseTask(base_layer.BaseLayer):
         grads = tape.gradient(out.loss, flat)
         return out, theta.Pack(list(grads))
 
-    def ComputeReplicaLossAndGrads(  # noqa: N802
+    def ComputeReplicaLossAndGrads(
         self, thetas: list[NestedMap], input_batch: NestedMap
     ) -> tuple[NestedMap, list[NestedMap]]:
         """Forward and backward of one mini-batch over the data-parallel replicas.
@@ -158,7 +158,7 @@ class BaseTask(base_layer.BaseLayer):
         out, grads = self.ComputeLossAndGrads(thetas[0], input_batch)
         return out, [grads]
 
-    def TrainStep(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def TrainStep(self, input_batch: NestedMap) -> NestedMap:
         """One optimizer step on a mini-batch: forward, backward, update, side updates.
 
         Returns the scalar metrics of the step (loss and the task's metrics, plus
@@ -227,7 +227,7 @@ class BaseTask(base_layer.BaseLayer):
         l2 = 0.5 * weight * tf.add_n(terms) if terms else tf.constant(0.0)
         return new_pairs, l2
 
-    def EvalStep(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def EvalStep(self, input_batch: NestedMap) -> NestedMap:
         """Forward in eval mode (moving BN statistics, no dropout); scalar metrics."""
         with fprop_context.fprop_context(training=False, updates=None):
             out = self.FProp(self.theta, input_batch)

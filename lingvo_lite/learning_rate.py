@@ -15,7 +15,7 @@ class BaseSchedule:
     """`value(step)` is the factor the base learning rate is multiplied by."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         return hyperparams.InstantiableParams(cls)
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
@@ -37,7 +37,7 @@ class ExponentialDecay(BaseSchedule):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("decay_rate", 0.97, "Multiplier per decay_steps.")
         p.Define("decay_steps", 1000, "Steps per decay.")
@@ -61,7 +61,7 @@ class TransformerSchedule(BaseSchedule):
     """Vaswani et al.: model_dim^-0.5 * min((step+1)^-0.5, (step+1) * warmup^-1.5)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("warmup_steps", 4000, "Warm-up steps.")
         p.Define("model_dim", 512, "Model dimension.")
@@ -77,7 +77,7 @@ class CosineDecay(BaseSchedule):
     """Linear warm-up, then half a cosine from 1 down to `final_factor` at `total_steps`."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("warmup_steps", 0, "Linear warm-up steps.")
         p.Define("total_steps", 1000, "Step at which the factor reaches final_factor.")

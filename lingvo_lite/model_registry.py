@@ -51,29 +51,29 @@ _MODEL_PACKAGES: list[str] = []
 class SingleTaskModelParams:
     """Base of registered model params: input params per split and the task params."""
 
-    def Train(self) -> hyperparams.Params:  # noqa: N802 (Lingvo API)
+    def Train(self) -> hyperparams.Params:
         """Training input generator params."""
         raise NotImplementedError(f"{type(self).__name__}.Train")
 
-    def Dev(self) -> hyperparams.Params:  # noqa: N802
+    def Dev(self) -> hyperparams.Params:
         """Development (validation) input params."""
         raise NotImplementedError(f"{type(self).__name__} has no Dev split.")
 
-    def Test(self) -> hyperparams.Params:  # noqa: N802
+    def Test(self) -> hyperparams.Params:
         """Test input params."""
         raise NotImplementedError(f"{type(self).__name__} has no Test split.")
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         """The task (model) params."""
         raise NotImplementedError(f"{type(self).__name__}.Task")
 
-    def Model(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Model(self) -> hyperparams.InstantiableParams:
         """Task params with the training input attached."""
         p = self.Task()
         p.input = self.Train()
         return p
 
-    def Input(self, split: str) -> hyperparams.Params:  # noqa: N802
+    def Input(self, split: str) -> hyperparams.Params:
         """Input params of `split` ('train', 'dev' or 'test')."""
         methods = {"train": self.Train, "dev": self.Dev, "test": self.Test}
         if split not in methods:

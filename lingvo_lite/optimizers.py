@@ -23,7 +23,7 @@ class BaseOptimizer:
     """Applies gradients with a given learning rate; owns the slot variables."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = hyperparams.InstantiableParams(cls)
         p.Define("name", cls.__name__, "Optimizer name.")
         return p
@@ -92,7 +92,7 @@ class SGD(BaseOptimizer):
     """Plain gradient descent, or momentum (optionally Nesterov) when momentum > 0."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("momentum", 0.0, "Momentum; 0 disables it.")
         p.Define("nesterov", False, "Nesterov momentum.")
@@ -114,7 +114,7 @@ class Adam(BaseOptimizer):
     """Adam (Kingma & Ba) with bias correction."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("beta1", 0.9, "Decay of the first moment.")
         p.Define("beta2", 0.999, "Decay of the second moment.")
@@ -138,7 +138,7 @@ class RMSProp(BaseOptimizer):
     """TF1 RMSProp, as in the GPipe/AmoebaNet recipe (decay 0.9, epsilon 0.1 inside the sqrt)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("decay", 0.9, "Decay of the mean square.")
         p.Define("momentum", 0.9, "Momentum.")

@@ -19,7 +19,7 @@ class PipelinedTask(base_task.BaseTask):
     """A BaseTask with `p.network`, a PipeliningLayer that ends with a loss layer."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("network", pipelining_layer.PipeliningLayer.Params(),
                  "The pipelined network; its last layer returns NestedMap(loss, metrics...).")
@@ -29,15 +29,15 @@ class PipelinedTask(base_task.BaseTask):
         super().__init__(params)
         self.CreateChild("network", self.params.network)
 
-    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
         """The NestedMap fed to the first cell; override to select or rename fields."""
         return input_batch
 
-    def FProp(self, theta: NestedMap, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, input_batch: NestedMap) -> NestedMap:
         out = self.network.FProp(theta.network, self.NetworkInputs(input_batch))
         return base_task.scalar_outputs(out)
 
-    def ComputeLossAndGrads(  # noqa: N802
+    def ComputeLossAndGrads(
         self, theta: NestedMap, input_batch: NestedMap
     ) -> tuple[NestedMap, NestedMap]:
         out, grads = self.network.FPropAndGrads(theta.network, self.NetworkInputs(input_batch))
@@ -49,7 +49,7 @@ class PipelinedTask(base_task.BaseTask):
     def replica_variable_pairs(self) -> list:
         return self.network.replica_variable_pairs()
 
-    def ComputeReplicaLossAndGrads(  # noqa: N802
+    def ComputeReplicaLossAndGrads(
         self, thetas: list[NestedMap], input_batch: NestedMap
     ) -> tuple[NestedMap, list[NestedMap]]:
         out, grads = self.network.FPropAndReplicaGrads(

@@ -30,25 +30,25 @@ class WeightInit:
     scale: float
 
     @staticmethod
-    def Gaussian(scale: float = 1.0) -> WeightInit:  # noqa: N802 (Lingvo name)
+    def Gaussian(scale: float = 1.0) -> WeightInit:
         return WeightInit("gaussian", scale)
 
     @staticmethod
-    def Uniform(scale: float = 1.0) -> WeightInit:  # noqa: N802
+    def Uniform(scale: float = 1.0) -> WeightInit:
         return WeightInit("uniform", scale)
 
     @staticmethod
-    def Xavier(scale: float = 1.0) -> WeightInit:  # noqa: N802
+    def Xavier(scale: float = 1.0) -> WeightInit:
         """Glorot uniform: U(-a, a), a = scale * sqrt(6 / (fan_in + fan_out))."""
         return WeightInit("xavier", scale)
 
     @staticmethod
-    def HeNormal(scale: float = 1.0) -> WeightInit:  # noqa: N802
+    def HeNormal(scale: float = 1.0) -> WeightInit:
         """Truncated-free He normal: N(0, scale * 2 / fan_in)."""
         return WeightInit("he_normal", scale)
 
     @staticmethod
-    def Constant(value: float = 0.0) -> WeightInit:  # noqa: N802
+    def Constant(value: float = 0.0) -> WeightInit:
         return WeightInit("constant", value)
 
 

@@ -35,7 +35,7 @@ class AmoebaNetDigits(model_registry.SplitInputModelParams):
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
 
-    def Network(self) -> hyperparams.Params:  # noqa: N802
+    def Network(self) -> hyperparams.Params:
         """AmoebaNet-D with a CIFAR-style stem, L=1 normal cell per stack and F=16."""
         return amoebanet.AmoebaNetParams().Set(
             variant="D", num_normal_cells=1, filters=16, image_size=self.IMAGE_SIZE,
@@ -43,7 +43,7 @@ class AmoebaNetDigits(model_registry.SplitInputModelParams):
             drop_path_keep_prob=1.0, dropout_keep_prob=1.0, label_smoothing=0.1,
             aux_head_weight=0.0, batch_norm_decay=0.9)
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         p = classifier.amoebanet_task_params(
             self.Network(), self.BATCH_SIZE, num_cells=2, num_micro_batches=2,
             name="amoebanet_digits")
@@ -78,14 +78,14 @@ class _AmoebaNetImageNet(model_registry.SplitInputModelParams):
             p.Set(shuffle=False, repeat=False)
         return p
 
-    def Network(self) -> hyperparams.Params:  # noqa: N802
+    def Network(self) -> hyperparams.Params:
         return amoebanet.AmoebaNetParams().Set(
             variant=self.VARIANT, num_normal_cells=self.NUM_NORMAL_CELLS, filters=self.FILTERS,
             image_size=self.IMAGE_SIZE, num_classes=1000, stem_type="imagenet",
             drop_path_keep_prob=0.7, dropout_keep_prob=0.5, label_smoothing=0.1,
             aux_head_weight=0.4)
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         p = classifier.amoebanet_task_params(
             self.Network(), self.BATCH_SIZE, num_cells=self.NUM_CELLS,
             num_micro_batches=self.NUM_MICRO_BATCHES,

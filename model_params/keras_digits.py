@@ -62,7 +62,7 @@ class ResNetDigits(model_registry.SplitInputModelParams):
                   batch_size=self.EVAL_BATCH_SIZE)
         return p
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         p = KerasTask.Params().Set(name="resnet_digits", input_field="image",
                                    label_field="label")
         p.network = pipeline_params(

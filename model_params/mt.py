@@ -52,7 +52,7 @@ class TransformerSmall(model_registry.SplitInputModelParams):
             p.Set(shuffle=False, repeat=False, batch_size=self.EVAL_BATCH_SIZE)
         return p
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         p = model.transformer_task_params(
             "transformer_small", self.VOCAB_SIZE, self.MODEL_DIM, self.HIDDEN_DIM,
             self.NUM_HEADS, self.NUM_LAYERS, self.BATCH_SIZE, self.MAX_SOURCE_LENGTH,
@@ -92,7 +92,7 @@ class _GPipeTransformer(model_registry.SplitInputModelParams):
             p.Set(shuffle=False, repeat=False)
         return p
 
-    def Task(self) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Task(self) -> hyperparams.InstantiableParams:
         p = model.transformer_task_params(
             f"transformer_t{self.NUM_LAYERS}_{self.HIDDEN_DIM}_{self.NUM_HEADS}",
             self.VOCAB_SIZE, self.MODEL_DIM, self.HIDDEN_DIM, self.NUM_HEADS, self.NUM_LAYERS,

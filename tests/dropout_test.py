@@ -179,7 +179,7 @@ class DropPathTest(tf.test.TestCase):
 class _MeanSquareLoss(base_layer.BaseLayer):
     """NestedMap(loss=mean(x^2)): the mean over its (micro-)batch, for any layout."""
 
-    def FProp(self, theta, inputs):  # noqa: N802
+    def FProp(self, theta, inputs):
         del theta
         return NestedMap(loss=tf.reduce_mean(tf.square(inputs.x)))
 

@@ -34,7 +34,7 @@ def _small(name: str) -> model_registry.SingleTaskModelParams:
         class Small(cls):
             FILTERS, NUM_NORMAL_CELLS, IMAGE_SIZE, BATCH_SIZE = 8, 1, 80, 8
 
-            def Train(self):  # noqa: N802
+            def Train(self):
                 return input_generator.DigitsInput.Params().Set(
                     name="digits_train", split="train", image_size=self.IMAGE_SIZE,
                     num_channels=3, batch_size=self.BATCH_SIZE)
@@ -44,7 +44,7 @@ def _small(name: str) -> model_registry.SingleTaskModelParams:
             NUM_LAYERS, HIDDEN_DIM, NUM_HEADS, MODEL_DIM = 2, 32, 2, 16
             VOCAB_SIZE, MAX_LENGTH, BATCH_SIZE = 512, 18, 16
 
-            def Train(self):  # noqa: N802
+            def Train(self):
                 return super().Train().Set(data_dir=mt.TransformerSmall.DATA_DIR,
                                            generate="en_de_numbers")
         return Small()

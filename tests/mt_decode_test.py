@@ -118,16 +118,16 @@ class TinyUserMt(model_registry.SingleTaskModelParams):
             p.Set(shuffle=False, repeat=False, batch_size=8)
         return p
 
-    def Train(self):  # noqa: N802
+    def Train(self):
         return self._input("train")
 
-    def Dev(self):  # noqa: N802
+    def Dev(self):
         return self._input("dev")
 
-    def Test(self):  # noqa: N802
+    def Test(self):
         return self._input("test")
 
-    def Task(self):  # noqa: N802
+    def Task(self):
         p = model.transformer_task_params("tiny", 40, 16, 32, 2, 1, 16, 12, 12, num_cells=2,
                                           num_micro_batches=2)
         p.decoder.beam_size = 2

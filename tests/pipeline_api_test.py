@@ -20,7 +20,7 @@ from lingvo_lite.pipeline import pipelining_layer
 class _AddFloatLeaf(base_layer.BaseLayer):
     """Passes x through and adds a Python float to the boundary map (a user mistake)."""
 
-    def FProp(self, theta, inputs):  # noqa: N802
+    def FProp(self, theta, inputs):
         return NestedMap(x=inputs.x, labels=inputs.labels, scale=0.5)
 
 
@@ -28,12 +28,12 @@ class _WeightedLoss(base_layer.BaseLayer):
     """loss = mean(x^2) and a `num_examples` output given by p.weight_fn(x)."""
 
     @classmethod
-    def Params(cls):  # noqa: N802
+    def Params(cls):
         p = super().Params()
         p.Define("weight_fn", None, "x -> the num_examples output.")
         return p
 
-    def FProp(self, theta, inputs):  # noqa: N802
+    def FProp(self, theta, inputs):
         return NestedMap(loss=tf.reduce_mean(tf.square(inputs.x)),
                          num_examples=self.params.weight_fn(inputs.x))
 

@@ -54,12 +54,12 @@ class TwoBranchLayer(base_layer.BaseLayer):
     """x + 0 * (branch_a(x) + branch_b(x)): two independent host callbacks per call."""
 
     @classmethod
-    def Params(cls):  # noqa: N802
+    def Params(cls):
         p = super().Params()
         p.Define("tag", "", "Prefix of the recorded branch names.")
         return p
 
-    def FProp(self, theta, x):  # noqa: N802
+    def FProp(self, theta, x):
         del theta
         tag = self.params.tag
         a = RECORDER.branch(f"{tag}/a", x)
@@ -67,7 +67,7 @@ class TwoBranchLayer(base_layer.BaseLayer):
         return x + 0.0 * (a + b)
 
     @classmethod
-    def FPropMeta(cls, p, x_shape):  # noqa: N802
+    def FPropMeta(cls, p, x_shape):
         shape = base_layer.to_shape(x_shape)
         return base_layer.fprop_meta(float(shape.num_elements()), shape, 0, tf.float32)
 

@@ -25,13 +25,13 @@ class KerasTask(pipelined_task.PipelinedTask):
     """A PipelinedTask that maps the input batch onto the Keras network's x and y."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("input_field", "x", "Input batch field fed to the first Keras layer.")
         p.Define("label_field", "y", "Input batch field holding the labels the loss compares.")
         return p
 
-    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
         p = self.params
         return NestedMap(x=input_batch.GetItem(p.input_field),
                          y=input_batch.GetItem(p.label_field))

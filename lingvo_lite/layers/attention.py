@@ -112,7 +112,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         dh = _hidden_dim(p) // p.num_heads
         return tf.reshape(y, tf.concat([tf.shape(y)[:2], [p.num_heads, dh]], axis=0))
 
-    def FPropWithProbs(  # noqa: N802 (Lingvo-style name)
+    def FPropWithProbs(
         self,
         theta: NestedMap,
         query_vec: tf.Tensor,

@@ -68,7 +68,7 @@ class SequentialLayer(base_layer.BaseLayer):
     """Applies `sub` layers in order; a tuple output is splatted into the next FProp."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("sub", [], "List of layer params, applied in order.")
         return p
@@ -77,11 +77,11 @@ class SequentialLayer(base_layer.BaseLayer):
     def declare_children(cls, p: hyperparams.Params) -> dict[str, Any]:
         return {"sub": list(p.sub)}
 
-    def FProp(self, theta: NestedMap, *args: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, *args: Any) -> Any:
         return chain_fprop(self.sub, theta.sub, *args)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:
         return sum_meta(chain_meta(cls.declare_children(p)["sub"], *input_shapes),
                         input_shapes, p.fprop_dtype or p.dtype)
 
@@ -90,7 +90,7 @@ class RepeatLayer(base_layer.BaseLayer):
     """Applies `repeat` independent copies of `body` in sequence (e.g. L identical blocks)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("body", None, "Params of the repeated layer.")
         p.Define("repeat", 1, "Number of copies, >= 1.")
@@ -104,10 +104,13 @@ class RepeatLayer(base_layer.BaseLayer):
             raise ValueError(f"{p.name}: p.repeat must be >= 1, got {p.repeat}.")
         return {"body": [p.body] * p.repeat}
 
-    def FProp(self, theta: NestedMap, *args: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, *args: Any) -> Any:
         return chain_fprop(self.body, theta.body, *args)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:
         return sum_meta(chain_meta(cls.declare_children(p)["body"], *input_shapes),
                         input_shapes, p.fprop_dtype or p.dtype)
+
+
+__all__ = ["SequentialLayer", "RepeatLayer", "chain_fprop", "chain_meta", "sum_meta"]

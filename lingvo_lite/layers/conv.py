@@ -116,7 +116,7 @@ class _FilterConvLayer(base_layer.BaseLayer):
     _FAN_IN_AXES: tuple[int, ...] = ()  # Kernel axes an output's inputs span.
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("filter_shape", (0, 0, 0, 0),
                  f"Kernel shape (h, w, in_channels, {cls._FILTER_LAST_DIM}).")
@@ -157,7 +157,7 @@ class _FilterConvLayer(base_layer.BaseLayer):
             self.CreateVariable("b", weight_params.WeightParams(
                 shape=(self._out_channels(fs),), init=weight_params.WeightInit.Constant(0.0)))
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         p = self.params
         theta = self.CastTheta(theta)
         inputs = tf.convert_to_tensor(inputs)
@@ -168,7 +168,7 @@ class _FilterConvLayer(base_layer.BaseLayer):
         return activations.get_activation(p.activation)(out)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         fs = cls._validate(p, where)
         shape = base_layer.to_shape(inputs)
@@ -254,7 +254,7 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("kernel_size", 3, "Depthwise kernel size: int or (kh, kw).")
         p.Define("input_dim", 0, "Number of input channels.")
@@ -290,14 +290,14 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
                 has_bias=p.has_bias, activation=p.activation, **common),
         }
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         inputs = tf.convert_to_tensor(inputs)
         _check_input(self.path, inputs.shape, self.params.input_dim, "input_dim")
         out = self.depthwise.FProp(theta.depthwise, inputs)
         return self.pointwise.FProp(theta.pointwise, out)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         children = cls.declare_children(p)
         shape = base_layer.to_shape(inputs)
         _check_input(p.name or cls.__name__, shape, p.input_dim, "input_dim")
@@ -305,3 +305,7 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
         return base_layer.fprop_meta(
             sum(m.flops for m in metas), metas[-1].out_shapes,
             sum(m.num_params for m in metas), p.fprop_dtype or p.dtype)
+
+
+__all__ = ["Conv2DLayer", "DepthwiseConv2DLayer", "SeparableConv2DLayer", "conv_output_size",
+    "same_padding", "to_pair"]

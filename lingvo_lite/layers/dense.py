@@ -36,7 +36,7 @@ class ProjectionLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("input_dim", 0, "Size of the input's last dimension.")
         p.Define("output_dim", 0, "Size of the output's last dimension.")
@@ -58,7 +58,7 @@ class ProjectionLayer(base_layer.BaseLayer):
                 )
             )
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         p = self.params
         theta = self.CastTheta(theta)
         inputs = tf.convert_to_tensor(inputs)
@@ -76,7 +76,7 @@ class ProjectionLayer(base_layer.BaseLayer):
         return activations.get_activation(p.activation)(out)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         _validate(p, p.name or cls.__name__)
         shape = base_layer.to_shape(inputs)
         check_projection_shape(p.name or cls.__name__, p.input_dim, shape)
@@ -99,7 +99,7 @@ class FCLayer(ProjectionLayer):
     """A fully connected layer: ProjectionLayer with a RELU activation by default."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.activation = "RELU"
         return p

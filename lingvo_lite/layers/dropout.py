@@ -157,7 +157,7 @@ class DropoutLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("keep_prob", 1.0, "Probability of keeping an element, in (0, 1].")
         p.Define("noise_shape_broadcast_dims", None,
@@ -178,7 +178,7 @@ class DropoutLayer(base_layer.BaseLayer):
     def _broadcast_dims(self, rank: int, batch_dim: int) -> Sequence[int] | None:
         return self.params.noise_shape_broadcast_dims
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         del theta  # No weights.
         p = self.params
         inputs = tf.convert_to_tensor(inputs)
@@ -191,7 +191,7 @@ class DropoutLayer(base_layer.BaseLayer):
                        self._broadcast_dims(inputs.shape.rank, ctx.batch_dim), ctx.batch_dim)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         _check_keep_prob(p.keep_prob, p.name or cls.__name__)
         shape = base_layer.to_shape(inputs)
         flops = 0
@@ -206,7 +206,7 @@ class DropPathLayer(DropoutLayer):
     """Drop-path as in AmoebaNet/NASNet: one keep decision per example (along batch_dim)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Delete("noise_shape_broadcast_dims")
         return p

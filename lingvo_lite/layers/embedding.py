@@ -23,7 +23,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("vocab_size", 0, "Number of rows of the table (valid ids: 0..vocab_size-1).")
         p.Define("embedding_dim", 0, "Size of each embedding vector.")
@@ -46,7 +46,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
         self.CreateVariable("emb", weight_params.WeightParams(
             shape=(p.vocab_size, p.embedding_dim), init=init))
 
-    def EmbLookup(self, theta: NestedMap, ids: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def EmbLookup(self, theta: NestedMap, ids: tf.Tensor) -> tf.Tensor:
         """Embeddings of integer `ids` [B, ...] -> [B, ..., embedding_dim].
 
         Out-of-range ids fail a tf.debugging check (TF's CPU gather would also
@@ -70,10 +70,10 @@ class EmbeddingLayer(base_layer.BaseLayer):
             out = out * tf.cast(math.sqrt(p.embedding_dim), out.dtype)
         return out
 
-    def FProp(self, theta: NestedMap, ids: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, ids: tf.Tensor) -> tf.Tensor:
         return self.EmbLookup(theta, ids)
 
-    def Logits(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def Logits(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
         """x [..., embedding_dim] @ emb^T -> [..., vocab_size] (shared softmax weights)."""
         p = self.params
         theta = self.CastTheta(theta)
@@ -89,7 +89,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, ids: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, ids: Any) -> NestedMap:
         where = p.name or cls.__name__
         cls._validate(p, where)
         shape = base_layer.to_shape(ids)

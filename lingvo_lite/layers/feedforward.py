@@ -95,3 +95,6 @@ class FeedForwardLayer(base_layer.BaseLayer):
             saved += base_layer.activation_bytes(shape, dtype)
         return base_layer.fprop_meta(flops, shape, num_params, dtype,
                                      saved_activation_bytes=saved)
+
+
+__all__ = ["FeedForwardLayer"]

@@ -325,7 +325,7 @@ class KerasLayer(base_layer.BaseLayer):
     """Runs a Keras layer (or nested Keras model) statelessly on theta; see the module doc."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("keras_layer", None,
                  "The Keras layer's serialized config (keras_layer.serialize(layer)).")
@@ -392,7 +392,7 @@ class KerasLayer(base_layer.BaseLayer):
         """The wrapped Keras layer; its variables are this layer's variables."""
         return self._layer
 
-    def FProp(self, theta: NestedMap, inputs: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: Any) -> Any:
         """The Keras layer on `inputs` (or on `inputs.<field>`), weights read from theta."""
         x = inputs.GetItem(self.params.field) if isinstance(inputs, NestedMap) else inputs
         ctx = fprop_context.current()
@@ -422,7 +422,7 @@ class KerasLayer(base_layer.BaseLayer):
             return out
         return y
 
-    def ApplyUpdates(self, stats_list: list[NestedMap]) -> tf.Operation:  # noqa: N802
+    def ApplyUpdates(self, stats_list: list[NestedMap]) -> tf.Operation:
         """Once per mini-batch: pooled batch-norm moments, one seed-generator step.
 
         Moving statistics follow Keras' formula `moving * momentum + pooled * (1 -
@@ -447,7 +447,7 @@ class KerasLayer(base_layer.BaseLayer):
         return tf.group(*ops)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         """Output shape by Keras shape inference, exact parameter counts, flops
         (`keras_flops.layer_flops`: hand formulas, else measured or estimated)."""
         shape = inputs.GetItem(p.field) if isinstance(inputs, NestedMap) else inputs

@@ -69,7 +69,7 @@ class KerasLossLayer(base_layer.BaseLayer):
     """Applies a Keras loss to a pipeline's last boundary map; see the module doc."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("loss", None,
                  "The Keras loss: a name ('sparse_categorical_crossentropy') or a "
@@ -88,7 +88,7 @@ class KerasLossLayer(base_layer.BaseLayer):
         """Uses `loss` (any form `compile(loss=...)` takes) from now on."""
         self._loss = make_loss(loss) if loss is not None else None
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         """NestedMap(predictions=x) plus, when `inputs` has labels `y`, the scalar `loss`."""
         del theta  # No weights.
         if not isinstance(inputs, NestedMap) or "x" not in inputs:
@@ -110,7 +110,7 @@ class KerasLossLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         shape = tf.TensorShape(base_layer.to_shape(
             inputs.x if isinstance(inputs, NestedMap) else inputs))
         flops = LOSS_FLOPS_PER_ELEMENT * int(shape.num_elements() or 0)

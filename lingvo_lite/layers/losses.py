@@ -86,7 +86,7 @@ class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
             self.CreateVariable("bias", weight_params.WeightParams(
                 shape=(p.num_classes,), init=weight_params.WeightInit.Constant(0.0)))
 
-    def Logits(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def Logits(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         """[B, ..., input_dim] -> float32 logits [B, ..., num_classes]."""
         p = self.params
         inputs = tf.convert_to_tensor(inputs)

@@ -40,7 +40,7 @@ class PoolingLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("pooling_type", "MAX", f"One of {list(_POOLING_TYPES)}.")
         p.Define("window_shape", (2, 2), "Window (h, w), or an int for a square window.")
@@ -60,7 +60,7 @@ class PoolingLayer(base_layer.BaseLayer):
         super().__init__(params)
         self._validate(self.params, self.path)
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         del theta  # No weights.
         p = self.params
         window, stride = self._validate(p, self.path)
@@ -71,7 +71,7 @@ class PoolingLayer(base_layer.BaseLayer):
                           strides=list(stride), padding=p.padding)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         window, stride = cls._validate(p, where)
         shape = base_layer.to_shape(inputs)
@@ -90,7 +90,7 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
     """Pools over all of H and W: [B, H, W, C] -> [B, C] (AVG by default)."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("pooling_type", "AVG", f"One of {list(_POOLING_TYPES)}.")
         return p
@@ -99,7 +99,7 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
         super().__init__(params)
         _check_type(self.params.pooling_type, self.path)
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         del theta  # No weights.
         inputs = tf.convert_to_tensor(inputs)
         _check_rank4(self.path, inputs.shape)
@@ -109,7 +109,7 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
         return tf.reduce_max(inputs, axis=[1, 2])
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         _check_type(p.pooling_type, where)
         shape = base_layer.to_shape(inputs)

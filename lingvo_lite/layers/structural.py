@@ -51,7 +51,7 @@ class FieldLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("field", "", "Name (or dotted path) of the NestedMap entry to transform.")
         p.Define("sub", None, "Params of the layer applied to that entry.")
@@ -63,7 +63,7 @@ class FieldLayer(base_layer.BaseLayer):
         _validate(self.params, self.path)
         self.CreateChild("sub", self.params.sub)
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         p = self.params
         inputs = _check_map(inputs, self.path)
         value = _get_field(inputs, p.field, self.path)
@@ -72,7 +72,7 @@ class FieldLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         _validate(p, where)
         shapes = base_layer.to_shape(_check_map(inputs, where))
@@ -90,12 +90,12 @@ class FieldLayer(base_layer.BaseLayer):
 class IdentityLayer(base_layer.BaseLayer):
     """Returns its inputs unchanged (one value, or a tuple for several arguments)."""
 
-    def FProp(self, theta: NestedMap, *inputs: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, *inputs: Any) -> Any:
         del theta  # No weights.
         return inputs[0] if len(inputs) == 1 else tuple(inputs)
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:
         shapes = tuple(base_layer.to_shape(s) for s in input_shapes)
         return base_layer.fprop_meta(0, shapes, 0, p.fprop_dtype or p.dtype)
 
@@ -118,7 +118,7 @@ class FieldsLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802 (Lingvo API)
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("fields", [], "Entries (dotted paths allowed) passed to sub.FProp, in order.")
         p.Define("sub", None, "Params of the layer to call.")
@@ -132,7 +132,7 @@ class FieldsLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: FieldsLayer needs p.fields (entry names) and p.sub.")
         self.CreateChild("sub", self.params.sub)
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> Any:
         inputs = _check_map(inputs, self.path)
         args = [_get_field(inputs, f, self.path) for f in self.params.fields]
         result = self.sub.FProp(theta.sub, *args)
@@ -143,7 +143,7 @@ class FieldsLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         shapes = base_layer.to_shape(_check_map(inputs, where))
         args = [_get_field(shapes, f, where) for f in p.fields]

@@ -426,3 +426,6 @@ def add_gradients(sums: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
             g = tf.convert_to_tensor(g)
         out.append(s + g)
     return out
+
+
+__all__ = ["CallInput", "CellFunctions", "float_outputs_and_gradients", "add_gradients"]

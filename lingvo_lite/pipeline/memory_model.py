@@ -196,3 +196,6 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
             working_activations=int(round(peak[1])), peak_in_flight=peak_in_flight,
             peak_action=peak[2]))
     return out
+
+
+__all__ = ["LayerMemory", "DeviceMemory", "layer_memory", "optimizer_slots", "device_memory"]

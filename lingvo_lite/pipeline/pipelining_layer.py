@@ -137,7 +137,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("layers", [], "Layer params, in order. Each layer's output feeds the next.")
         p.Define("num_cells", 1,
@@ -281,7 +281,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     # -- static analysis -----------------------------------------------------
 
     @classmethod
-    def LayerMetas(cls, p: hyperparams.Params) -> list[NestedMap]:  # noqa: N802
+    def LayerMetas(cls, p: hyperparams.Params) -> list[NestedMap]:
         """FPropMeta of every layer, chained from `p.input_shapes`.
 
         Raises a ValueError naming the layer (and its cell boundary) whose input
@@ -296,7 +296,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                                     input_name="p.input_shapes")
 
     @classmethod
-    def ComputePartition(cls, p: hyperparams.Params) -> partition.Partition:  # noqa: N802
+    def ComputePartition(cls, p: hyperparams.Params) -> partition.Partition:
         """The cells for `p`, computed from FPropMeta costs without creating variables."""
         names = [lp.name or f"{lp.cls.__name__}_{i}" for i, lp in enumerate(p.layers)]
         if p.partition_method in ("uniform", "explicit") and p.input_shapes is None:
@@ -326,7 +326,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         )
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes: Any) -> NestedMap:
         metas = composite.chain_meta(list(p.layers), *input_shapes)
         return composite.sum_meta(metas, input_shapes, p.fprop_dtype or p.dtype)
 
@@ -455,7 +455,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         num_micro = self.num_micro_batches_for(batch_size)
         return micro_batch.split(inputs, num_micro, p.batch_dim), num_micro, batch_size // num_micro
 
-    def FProp(self, theta: NestedMap, inputs: Any) -> Any:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: Any) -> Any:
         """Forward only (eval and inference), pipelined over the same cells and devices."""
         xs, num_micro, micro_size = self._split(inputs)
         with fprop_context.fprop_context(batch_dim=self.params.batch_dim):
@@ -479,7 +479,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             total = cls._total_weight(outputs, weights)
         return [w / total for w in weights]
 
-    def FPropAndGrads(  # noqa: N802
+    def FPropAndGrads(
         self, theta: NestedMap, inputs: Any, return_input_grads: bool = False
     ) -> tuple[Any, NestedMap] | tuple[Any, NestedMap, Any]:
         """Pipelined forward and backward of one mini-batch (training only).
@@ -528,7 +528,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             lambda: self._FPropAndGrads(theta, split, return_input_grads))
         return result if return_input_grads else result[:2]
 
-    def _FPropAndGrads(  # noqa: N802
+    def _FPropAndGrads(
         self, theta: NestedMap, split: tuple[list[Any], int, int], return_input_grads: bool
     ) -> tuple[Any, NestedMap, Any]:
         xs, num_micro, micro_size = split
@@ -588,7 +588,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             merged.append(g if total is None else g / tf.cast(total, g.dtype))
         return merged
 
-    def FPropAndReplicaGrads(  # noqa: N802
+    def FPropAndReplicaGrads(
         self, thetas: list[NestedMap], inputs: Any
     ) -> tuple[Any, list[NestedMap]]:
         """Data-parallel training step: R replicas of the pipeline on R shards of the batch.

@@ -270,3 +270,6 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
                                        virtual_stages)
     step = simulate(sched, costs, remat=remat)
     return Prediction(step=step, one_device_time=(1.0 + backward_ratio) * sum(layer_costs))
+
+
+__all__ = ["PhaseCosts", "SimulatedStep", "simulate", "Prediction", "predict"]

@@ -257,6 +257,10 @@ def _writing(path: str, step: int):
     except OSError as e:
         raise _WriteFailedError(e.filename or path, step, e.strerror or str(e),
                                _reason_code(e)) from e
+    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError):
+        # Another task of the cluster was lost while a checkpoint read its variables: not a
+        # write failure (the caller names the lost task).
+        raise
     except tf.errors.OpError as e:
         # "{{function_node ...}} /logdir/train/events...; File too large Failed to flush ...":
         # name the file under `path` and the system's reason when the text has them.

@@ -360,3 +360,7 @@ def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, bud
     if len(pipelines) > 1:
         text += (f"(Planned the first PipeliningLayer, '{path}', of {len(pipelines)}.)\n")
     return text
+
+
+__all__ = ["Plan", "PlanSearch", "search", "predict_memory", "plan_flags", "format_report",
+    "plan_text", "why_better"]

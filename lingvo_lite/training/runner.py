@@ -431,6 +431,9 @@ def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfi
             # A step that reached a dead task fails at once; name the task like the watchdog.
             match = re.search(r"/job:\w+/replica:\d+/task:(\d+)", str(e))
             task = int(match.group(1)) if match else None
+            if task is None:  # E.g. "Connection reset by peer": the task that stopped answering.
+                task = next((t for t in others
+                             if not cluster_lib.reachable(cluster.addresses[t])), None)
             task_lost(task if task is not None else -1,
                       cluster.addresses[task] if task is not None else "unknown address")
         finally:

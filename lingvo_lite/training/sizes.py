@@ -37,3 +37,6 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+__all__ = ["parse_size", "format_bytes"]

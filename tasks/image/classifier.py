@@ -12,7 +12,7 @@ __all__ = ["amoebanet_task_params", "ImageClassifierTask"]
 class ImageClassifierTask(pipelined_task.PipelinedTask):
     """Classifies `image` into `label`: the AmoebaNet layers, partitioned into cells."""
 
-    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
         return NestedMap(image=input_batch.image, label=input_batch.label)
 
 

@@ -94,7 +94,7 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("vocab_size", 0, "Vocabulary size (source and target).")
         p.Define("model_dim", 0, "Model dimension D.")
@@ -128,17 +128,17 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
             x = self.dropout.FProp(theta.dropout, x)
         return x
 
-    def EmbedSource(self, theta: NestedMap, ids: tf.Tensor,  # noqa: N802
+    def EmbedSource(self, theta: NestedMap, ids: tf.Tensor,
                     paddings: tf.Tensor | None = None) -> tf.Tensor:
         """[B, S] source ids -> [B, S, D] encoder input."""
         return self._embed(theta, "src_emb", ids, paddings)
 
-    def EmbedTarget(self, theta: NestedMap, ids: tf.Tensor,  # noqa: N802
+    def EmbedTarget(self, theta: NestedMap, ids: tf.Tensor,
                     paddings: tf.Tensor | None = None) -> tf.Tensor:
         """[B, T] target ids (BOS first) -> [B, T, D] decoder input."""
         return self._embed(theta, "tgt_emb", ids, paddings)
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("src_ids", "src_paddings", "tgt_ids") + _TARGET_FIELDS,
                             self.path)
         out = NestedMap(
@@ -150,7 +150,7 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         inputs = _check_map(base_layer.to_shape(inputs),
                             ("src_ids", "src_paddings", "tgt_ids") + _TARGET_FIELDS, cls.__name__)
         children = cls.declare_children(p)
@@ -174,7 +174,7 @@ class _AttentionBlock(base_layer.BaseLayer):
     """x + dropout(MHA(LN(x), memory)): a pre-layer-norm attention sub-block."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("model_dim", 0, "Model dimension D.")
         p.Define("num_heads", 1, "Attention heads.")
@@ -196,7 +196,7 @@ class _AttentionBlock(base_layer.BaseLayer):
                 keep_prob=1.0 - p.residual_dropout_prob, **_common(p))
         return out
 
-    def FProp(self, theta: NestedMap, x: tf.Tensor, paddings: tf.Tensor | None,  # noqa: N802
+    def FProp(self, theta: NestedMap, x: tf.Tensor, paddings: tf.Tensor | None,
               memory: tf.Tensor | None = None) -> tf.Tensor:
         """x [B, Tq, D] attends to itself (memory None) or to `memory` [B, Tk, D]."""
         x = tf.cast(x, self.fprop_dtype)
@@ -208,7 +208,7 @@ class _AttentionBlock(base_layer.BaseLayer):
         return x + h
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, x: Any, memory: Any = None  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, x: Any, memory: Any = None
                   ) -> NestedMap:
         x = tf.TensorShape(x)
         kv = x if memory is None else tf.TensorShape(memory)
@@ -239,7 +239,7 @@ class _TransformerLayer(base_layer.BaseLayer):
     """Params shared by the encoder and decoder layers."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("model_dim", 0, "Model dimension D.")
         p.Define("hidden_dim", 0, "Feed-forward hidden dimension (the paper's H).")
@@ -265,7 +265,7 @@ class EncoderLayer(_TransformerLayer):
         _check_dims(p, p.name or cls.__name__)
         return {"self_atten": _block_params(p, causal=False), "ffn": _ffn_params(p)}
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("x", "src_paddings"), self.path)
         x = self.self_atten.FProp(theta.self_atten, inputs.x, inputs.src_paddings)
         out = inputs.copy()
@@ -273,7 +273,7 @@ class EncoderLayer(_TransformerLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "src_paddings"), cls.__name__)
         children = cls.declare_children(p)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
@@ -290,7 +290,7 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("model_dim", 0, "Model dimension D.")
         return p
@@ -300,12 +300,12 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         return {"ln": normalization.LayerNorm.Params().Set(input_dim=p.model_dim,
                                                            **_common(p))}
 
-    def EncoderOutput(self, theta: NestedMap, x: tf.Tensor,  # noqa: N802
+    def EncoderOutput(self, theta: NestedMap, x: tf.Tensor,
                       src_paddings: tf.Tensor) -> tf.Tensor:
         out = self.ln.FProp(theta.ln, x)
         return out * tf.cast(1.0 - src_paddings, out.dtype)[:, :, tf.newaxis]
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("x", "src_paddings", "y") + _TARGET_FIELDS, self.path)
         out = NestedMap(x=tf.cast(inputs.y, self.fprop_dtype),
                         encoder_output=self.EncoderOutput(theta, inputs.x, inputs.src_paddings),
@@ -315,7 +315,7 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "src_paddings", "y")
                             + _TARGET_FIELDS, cls.__name__)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
@@ -336,7 +336,7 @@ class DecoderLayer(_TransformerLayer):
         return {"self_atten": _block_params(p, causal=True),
                 "cross_atten": _block_params(p, causal=False), "ffn": _ffn_params(p)}
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("x", "tgt_paddings", "encoder_output", "src_paddings"),
                             self.path)
         # Causality alone hides future (and trailing padded) target positions from real ones.
@@ -348,7 +348,7 @@ class DecoderLayer(_TransformerLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         inputs = _check_map(base_layer.to_shape(inputs),
                             ("x", "tgt_paddings", "encoder_output", "src_paddings"), cls.__name__)
         children = cls.declare_children(p)
@@ -369,7 +369,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("model_dim", 0, "Model dimension D.")
         p.Define("vocab_size", 0, "Vocabulary size.")
@@ -384,11 +384,11 @@ class SoftmaxLayer(base_layer.BaseLayer):
                 input_dim=p.model_dim, num_classes=p.vocab_size,
                 label_smoothing=p.label_smoothing, **_common(p)))
 
-    def Logits(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def Logits(self, theta: NestedMap, x: tf.Tensor) -> tf.Tensor:
         """Decoder output [B, T, D] -> float32 logits [B, T, vocab_size]."""
         return self.softmax.Logits(theta.softmax, self.ln.FProp(theta.ln, x))
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("x", "tgt_labels", "tgt_weights"), self.path)
         p = self.params
         logits = self.Logits(theta, inputs.x)
@@ -408,7 +408,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
                          accuracy=mean(correct))
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "tgt_labels", "tgt_weights"),
                             cls.__name__)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
@@ -483,3 +483,6 @@ def count_params(model_dim: int, hidden_dim: int, atten_hidden_dim: int, vocab_s
     return (num_layers * (atten + ffn) + num_layers * (2 * atten + ffn) + tables
             + 2 * model_dim + softmax)
 
+
+__all__ = ["EmbeddingInputLayer", "EncoderLayer", "EncoderToDecoderLayer", "DecoderLayer",
+    "SoftmaxLayer", "transformer_layers", "positional_encoding", "input_shapes", "count_params"]

@@ -61,7 +61,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
     """Source -> target translation; `network.layers` come from `layers.transformer_layers`."""
 
     @classmethod
-    def Params(cls) -> hyperparams.InstantiableParams:  # noqa: N802
+    def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("decoder", _decoder_params(), "Decoding (search) params.")
         return p
@@ -81,7 +81,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
                              f"{self.params.decoder.beam_size}.")
         self._decode_fns: dict[Any, Any] = {}
 
-    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:  # noqa: N802
+    def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
         return NestedMap({k: input_batch[k] for k in NETWORK_FIELDS})
 
     # -- decoding ------------------------------------------------------------
@@ -92,7 +92,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         with tf.device(net.devices[net.partition.cell_of_layer(i)]):
             return fn(*args)
 
-    def Encode(self, theta: NestedMap, src_ids: tf.Tensor,  # noqa: N802
+    def Encode(self, theta: NestedMap, src_ids: tf.Tensor,
                src_paddings: tf.Tensor) -> tf.Tensor:
         """Source ids [B, S] -> encoder output [B, S, D]."""
         net, th = self.network, theta.network.layers
@@ -103,7 +103,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         return self._run(self._e2d, net.layers[self._e2d].EncoderOutput, th[self._e2d],
                          state.x, src_paddings)
 
-    def DecoderLogProbs(self, theta: NestedMap, encoder_output: tf.Tensor,  # noqa: N802
+    def DecoderLogProbs(self, theta: NestedMap, encoder_output: tf.Tensor,
                         src_paddings: tf.Tensor, tgt_ids: tf.Tensor) -> tf.Tensor:
         """Log-probabilities [B, T, V] of the next token at every position of tgt_ids [B, T]."""
         net, th = self.network, theta.network.layers
@@ -116,7 +116,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         logits = self._run(last, net.layers[last].Logits, th[last], state.x)
         return tf.nn.log_softmax(logits, axis=-1)
 
-    def DecodeBatch(self, src_ids: tf.Tensor, src_paddings: tf.Tensor,  # noqa: N802
+    def DecodeBatch(self, src_ids: tf.Tensor, src_paddings: tf.Tensor,
                     max_length: int, beam_size: int | None = None) -> NestedMap:
         """Translates a batch (eval mode); greedy when beam_size is 1.
 
@@ -143,7 +143,7 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
                                       vocab.BOS_ID, vocab.EOS_ID, vocab.PAD_ID,
                                       dp.length_penalty)
 
-    def Decode(self, input_params: hyperparams.Params,  # noqa: N802
+    def Decode(self, input_params: hyperparams.Params,
                max_sentences: int = 0) -> DecodeResult:
         """Translates every line of the split of `input_params` and scores it with BLEU.
 

@@ -95,7 +95,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("cell_type", "normal", f"One of {_CELL_TYPES}.")
         p.Define("operations", (), "2 * num_combinations operation names (`parse_operation`).")
@@ -237,7 +237,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
     def num_operations(self) -> int:
         return len(self.ops)
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         p = self.params
         inputs = boundary(self.path, inputs, "x", *(("prev_x",) if p.prev_input_dim else ()))
         x = tf.cast(inputs.x, self.fprop_dtype)
@@ -253,7 +253,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def _CheckPrevSize(cls, where: str, x_shape: tf.TensorShape,  # noqa: N802
+    def _CheckPrevSize(cls, where: str, x_shape: tf.TensorShape,
                        prev_shape: tf.TensorShape) -> None:
         """prev_x must be x's size (prev_stride 1) or twice it (prev_stride 2), per p."""
         x_hw, prev_hw = list(x_shape[1:3]), list(prev_shape[1:3])
@@ -266,7 +266,7 @@ class AmoebaNetCell(base_layer.BaseLayer):
                              "nor twice it; the cells are not chained as built.")
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         shapes = boundary(where, base_layer.to_shape(inputs), "x",
                           *(("prev_x",) if p.prev_input_dim else ()))

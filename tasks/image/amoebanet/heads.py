@@ -40,7 +40,7 @@ class StemLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("stem_type", "imagenet", f"One of {STEM_TYPES}.")
         p.Define("input_dim", 3, "Image channels.")
@@ -64,7 +64,7 @@ class StemLayer(base_layer.BaseLayer):
         """The stem on the image; run by FProp on tensors and by FPropMeta on shapes."""
         return wiring.child("conv0_bn", wiring.child("conv0", image))
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         key = self.params.image_key
         inputs = boundary(self.path, inputs, key)
         out = inputs.copy()
@@ -73,7 +73,7 @@ class StemLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         shapes = boundary(p.name or cls.__name__, base_layer.to_shape(inputs), p.image_key)
         wiring = ShapeWiring(cls, p)
         out = shapes.copy()
@@ -101,7 +101,7 @@ class AuxHeadLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("input_dim", 0, "Channels of x.")
         p.Define("input_size", (0, 0), "Spatial size (H, W) of x; sets the kernel of the "
@@ -144,7 +144,7 @@ class AuxHeadLayer(base_layer.BaseLayer):
         h = wiring.relu(wiring.child("bn0", wiring.child("proj", h)))
         return wiring.relu(wiring.child("bn1", wiring.child("conv", h)))
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         p = self.params
         inputs = boundary(self.path, inputs, "x", p.label_key)
         x = tf.cast(inputs.x, self.fprop_dtype)
@@ -162,7 +162,7 @@ class AuxHeadLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         shapes = boundary(where, base_layer.to_shape(inputs), "x", p.label_key)
         x = tf.TensorShape(shapes.x)
@@ -194,7 +194,7 @@ class HeadLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("input_dim", 0, "Channels of x.")
         p.Define("num_classes", 0, "Number of classes.")
@@ -230,7 +230,7 @@ class HeadLayer(base_layer.BaseLayer):
         by FPropMeta on shapes."""
         return wiring.child("dropout", wiring.child("pool", wiring.relu(x)))
 
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         p = self.params
         inputs = boundary(self.path, inputs, *self._keys(p))
         x = tf.cast(inputs.x, self.fprop_dtype)
@@ -254,7 +254,7 @@ class HeadLayer(base_layer.BaseLayer):
         return out
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         where = p.name or cls.__name__
         shapes = boundary(where, base_layer.to_shape(inputs), *cls._keys(p))
         x = tf.TensorShape(shapes.x)

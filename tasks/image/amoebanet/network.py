@@ -19,7 +19,7 @@ __all__ = ["AmoebaNetParams", "amoebanet_layers", "input_shapes", "layer_metas",
            "total_flops"]
 
 
-def AmoebaNetParams() -> Params:  # noqa: N802 (Lingvo-style params constructor)
+def AmoebaNetParams() -> Params:
     """Hyperparameters of a whole AmoebaNet; `amoebanet_layers` turns them into layers.
 
     GPipe's AmoebaNet-D (18, 208) is variant='D', num_normal_cells=6, filters=208.

@@ -44,18 +44,18 @@ class SubsampleLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("stride", 2, "Subsampling stride along H and W.")
         return p
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         del theta
         s = self.params.stride
         return tf.cast(inputs, self.fprop_dtype)[:, ::s, ::s, :]
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         shape = base_layer.to_shape(inputs)
         if shape.rank != 4 or not shape.is_fully_defined():
             raise ValueError(f"{p.name or cls.__name__}: FPropMeta needs a fully defined NHWC "
@@ -110,7 +110,7 @@ class AmoebaOpLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("operation", "none", "Operation name, see `parse_operation`.")
         p.Define("input_dim", 0, "Channels of the hidden state the op is applied to.")
@@ -192,14 +192,14 @@ class AmoebaOpLayer(base_layer.BaseLayer):
                     conv_step(p, f"conv_{k}x1", (k, 1), cout, cout, (s, 1))]
         return [conv_step(p, "conv_3x3", (3, 3), cin, cout, (s, s), dilation=op.dilation)]
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         inputs = tf.convert_to_tensor(inputs)
         check_nhwc(self.path, inputs.shape, self.params.input_dim, "input_dim")
         return wire_chain(TensorWiring(self, theta), self._chain,
                           tf.cast(inputs, self.fprop_dtype))
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         shape = base_layer.to_shape(inputs)
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
@@ -220,7 +220,7 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
     """
 
     @classmethod
-    def Params(cls) -> InstantiableParams:  # noqa: N802
+    def Params(cls) -> InstantiableParams:
         p = super().Params()
         p.Define("input_dim", 0, "Input channels.")
         p.Define("output_dim", 0, "Output channels (even when stride is 2).")
@@ -261,13 +261,13 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
         path2 = wiring.child("path2_conv", wiring.child("path2_pool", wiring.shift(x)))
         return wiring.child("final_path_bn", wiring.concat([path1, path2]))
 
-    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:  # noqa: N802
+    def FProp(self, theta: NestedMap, inputs: tf.Tensor) -> tf.Tensor:
         x = tf.convert_to_tensor(inputs)
         check_nhwc(self.path, x.shape, self.params.input_dim, "input_dim")
         return self._wire(self.params, TensorWiring(self, theta), tf.cast(x, self.fprop_dtype))
 
     @classmethod
-    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:  # noqa: N802
+    def FPropMeta(cls, p: Params, inputs: Any) -> NestedMap:
         shape = base_layer.to_shape(inputs)
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
