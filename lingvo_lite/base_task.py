@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from lingvo_lite import (
     base_layer,
+    colocation,
     fprop_context,
     hyperparams,
     learning_rate,
@@ -22,7 +23,6 @@ from lingvo_lite import (
     warm_start,
 )
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import tpu
 
 __all__ = ["BaseTask", "scalar_outputs"]
 
@@ -220,7 +220,7 @@ class BaseTask(base_layer.BaseLayer):
         new_pairs, terms = [], []
         for g, v in pairs:
             if v.shape.rank >= 2:
-                with tpu.colocated(v):
+                with colocation.colocated(v):
                     g = g + weight * v
                     terms.append(tf.reduce_sum(tf.square(v)))
             new_pairs.append((g, v))

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite.pipeline import tpu
+from lingvo_lite import colocation
 
 __all__ = ["current", "fprop_context", "FPropContext", "UpdateCollector"]
 
@@ -57,7 +57,7 @@ class UpdateCollector:
 
 def _beside_variables_of(layer: Any) -> contextlib.AbstractContextManager:
     variables = getattr(layer, "variables", ())
-    return tpu.colocated(variables[0]) if variables else contextlib.nullcontext()
+    return colocation.colocated(variables[0]) if variables else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
-from lingvo_lite.pipeline import tpu
+from lingvo_lite import colocation, hyperparams
 
 __all__ = ["Adam", "BaseOptimizer", "RMSProp", "SGD"]
 
@@ -42,7 +41,7 @@ class BaseOptimizer:
             key = var.name
             if key in self._slots:
                 continue
-            with tpu.colocated(var):
+            with colocation.colocated(var):
                 self._slots[key] = {
                     name: tf.Variable(
                         tf.fill(var.shape, tf.cast(init, var.dtype)), trainable=False,
@@ -78,7 +77,7 @@ class BaseOptimizer:
                     f"Optimizer has no slots for {var.name}; call create_slots(variables) "
                     "before the first (traced) step."
                 )
-            with tpu.colocated(var):
+            with colocation.colocated(var):
                 lr = tf.cast(learning_rate, var.dtype)
                 updates.append(self._apply_one(grad, var, self._slots[var.name], lr))
         return tf.group(*updates)

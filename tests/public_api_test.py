@@ -7,11 +7,14 @@ when imported. Every module declares `__all__` (`[]` for internal modules).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import os
 import pkgutil
 import subprocess
 import sys
 import types
+import unittest
 
 import tensorflow as tf
 from conftest import REPO
@@ -103,3 +106,52 @@ class PublicApiTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+# The README's layout: each module of the library and the level it belongs to.
+_LEVELS = ("params", "layers", "pipeline", "tasks", "trainer")
+_LEVEL_OF_MODULE = {
+    "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
+    "base_layer": "layers", "weight_params": "layers", "fprop_context": "layers",
+    "devices": "layers", "colocation": "layers", "layers": "layers",
+    "pipeline": "pipeline",
+    "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",
+    "optimizers": "tasks", "learning_rate": "tasks", "warm_start": "tasks",
+    "model_registry": "tasks", "keras": "tasks",
+    "training": "trainer",
+}
+
+
+def _level(module_name: str) -> str | None:
+    parts = module_name.split(".")
+    if parts[0] != "lingvo_lite" or len(parts) < 2:
+        return None
+    return _LEVEL_OF_MODULE[parts[1]]
+
+
+class LayeringTest(unittest.TestCase):
+
+    def test_no_module_imports_from_a_level_above_its_own(self):
+        root = os.path.dirname(lingvo_lite.__file__)
+        upward = []
+        for directory, _, files in os.walk(root):
+            for name in files:
+                if not name.endswith(".py") or name == "__init__.py":
+                    continue  # Package __init__s only name their exports (lazily).
+                path = os.path.join(directory, name)
+                module = "lingvo_lite." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                own = _LEVELS.index(_level(module))
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                for node in ast.walk(tree):
+                    names = []
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.module:
+                        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                    for imported in names:
+                        level = _level(imported)
+                        if level is not None and _LEVELS.index(level) > own:
+                            upward.append(f"{module} ({_LEVELS[own]}) imports {imported} "
+                                          f"({level})")
+        self.assertEqual([], upward)

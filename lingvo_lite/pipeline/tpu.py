@@ -39,10 +39,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, ContextManager
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from lingvo_lite.colocation import (
+    colocated,
+    current_tpu_strategy,
+    logical_core_of,
+    strategy_mesh,
+)
 
 __all__ = [
     "cell_scope",
@@ -200,15 +207,6 @@ def create_tpu_strategy(num_replicas: int, num_cells: int,
     return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
 
 
-def current_tpu_strategy() -> tf.distribute.Strategy | None:
-    """The TPUStrategy whose scope (or replica function) we are in, else None."""
-    if not tf.distribute.has_strategy():
-        return None
-    strategy = tf.distribute.get_strategy()
-    tpu_strategies = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
-    return strategy if isinstance(strategy, tpu_strategies) else None
-
-
 def logical_cores_per_replica(strategy: tf.distribute.Strategy, num_cells: int) -> int:
     """Checks that the strategy gives each replica `num_cells` logical cores; returns it."""
     try:
@@ -222,15 +220,6 @@ def logical_cores_per_replica(strategy: tf.distribute.Strategy, num_cells: int) 
     return num_cells
 
 
-def strategy_mesh(strategy: tf.distribute.Strategy, num_cells: int) -> list[list[str]]:
-    """`mesh[r][k]`: the device of logical core k of the strategy's replica r."""
-    columns = []
-    for k in range(num_cells):
-        with strategy.extended.experimental_logical_device(k):
-            columns.append(list(strategy.extended.worker_devices))
-    return [list(row) for row in zip(*columns)]
-
-
 @contextlib.contextmanager
 def cell_scope(strategy: tf.distribute.Strategy, cell: int) -> Iterator[None]:
     """Where cell `cell`'s variables and ops go under a TPUStrategy: its logical core.
@@ -240,40 +229,3 @@ def cell_scope(strategy: tf.distribute.Strategy, cell: int) -> Iterator[None]:
     """
     with strategy.extended.experimental_logical_device(cell):
         yield
-
-
-def _num_logical_cores(strategy: tf.distribute.Strategy) -> int:
-    count = 0
-    while True:
-        try:
-            with strategy.extended.experimental_logical_device(count):
-                pass
-        except ValueError:
-            return count
-        count += 1
-
-
-def logical_core_of(strategy: tf.distribute.Strategy, var: tf.Variable) -> int:
-    """The logical core of every replica that holds `var` (0 when it is not on a core)."""
-    components = getattr(var, "values", None) or (var,)
-    device = tf.DeviceSpec.from_string(components[0].device)
-    first_replica = strategy_mesh(strategy, _num_logical_cores(strategy))[0]
-    for k, name in enumerate(first_replica):
-        if _same_device(tf.DeviceSpec.from_string(name), device):
-            return k
-    return 0
-
-
-def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
-    """Whether the fields given in both names agree ('/device:TPU:1' is '/job:w/.../TPU:1')."""
-    fields = ("job", "replica", "task", "device_type", "device_index")
-    return all(getattr(a, f) is None or getattr(b, f) is None or getattr(a, f) == getattr(b, f)
-               for f in fields)
-
-
-def colocated(var: tf.Variable) -> ContextManager[Any]:
-    """Ops (and slot variables) beside `var`: its device, or under a TPUStrategy its core."""
-    strategy = current_tpu_strategy()
-    if strategy is None:
-        return tf.device(var.device)
-    return strategy.extended.experimental_logical_device(logical_core_of(strategy, var))
