@@ -205,9 +205,11 @@ def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: in
                   model_params_override: str = "") -> list[int]:
     """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
     with as many slots per weight as the task's optimizer keeps."""
+    from lingvo_lite import model_registry
     from lingvo_lite.pipeline import memory_model
     from lingvo_lite.training import model_config, options
 
+    model_registry.add_model_package("model_params")  # As trainer.py does.
     config = model_config.build_model_config(options.RunOptions(
         model=model, mode="inspect_model", model_params_override=model_params_override,
         num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=num_micro_batches))

@@ -60,8 +60,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _network_params():
+    from lingvo_lite import model_registry
     from lingvo_lite.training import model_config
 
+    model_registry.add_model_package("model_params")  # As trainer.py does.
     task = model_config.resolve_model_class(MODEL)().Task()
     (_, network), = model_config.iter_pipelining_params(task)
     return network
