@@ -7,7 +7,8 @@ import tensorflow as tf
 from pipeline_test import make_batch, make_pipeline, mlp_layers
 
 from lingvo_lite import fprop_context
-from lingvo_lite.pipeline import placement
+from lingvo_lite.layers import dense
+from lingvo_lite.pipeline import layer_profile, pipelining_layer, placement
 
 
 class PlacementTest(tf.test.TestCase):
@@ -48,6 +49,29 @@ class PlacementTest(tf.test.TestCase):
         for k in range(num_cells):
             for scope in (f"cell_{k}/fprop/", f"cell_{k}/bprop/recompute/"):
                 self.assertIn(scope, bodies)
+
+
+class MeshTest(tf.test.TestCase):
+
+    def test_mesh_is_replica_major_over_devices_per_replica(self):
+        mesh = placement.resolve_mesh("cpu", 2, 3)
+        self.assertEqual([[f"/device:CPU:{i}" for i in range(3)],
+                          [f"/device:CPU:{i}" for i in range(3, 6)]], mesh)
+
+    def test_too_few_devices_names_what_sets_the_count(self):
+        # 8 logical CPUs (conftest); 2 replicas of 5 devices need 10.
+        with self.assertRaisesRegex(ValueError, r"needs 10 devices \(num_replicas x num_cells "
+                                    r"/ virtual_stages\)"):
+            placement.resolve_mesh("cpu", 2, 5)
+
+    def test_profile_device_counts_devices_not_cells(self):
+        # 16 cells, 2 per device: 8 devices, which exist; as 16 devices they would not.
+        layers = [dense.ProjectionLayer.Params().Set(name=f"p{i}", input_dim=2, output_dim=2)
+                  for i in range(16)]
+        p = pipelining_layer.PipeliningLayer.Params().Set(
+            name="pipe", layers=layers, num_cells=16, virtual_stages=2, schedule="interleaved",
+            placement="cpu", input_shapes=tf.TensorShape([4, 2]))
+        self.assertEqual("/device:CPU:0", layer_profile.profile_device(p))
 
 
 class ChoosePathTest(tf.test.TestCase):

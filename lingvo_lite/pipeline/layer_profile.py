@@ -319,7 +319,8 @@ def profile_device(p: hyperparams.Params) -> str | None:
     True
     """
     try:
-        return placement.resolve_mesh(p.placement, p.num_replicas, p.num_cells)[0][0]
+        devices = p.num_cells // max(1, p.virtual_stages)
+        return placement.resolve_mesh(p.placement, p.num_replicas, devices)[0][0]
     except (ValueError, RuntimeError, IndexError):
         return None
 

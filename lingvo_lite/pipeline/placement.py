@@ -130,18 +130,20 @@ def cluster_devices(num_devices: int, job: str = "worker") -> list[str]:
 
 
 def resolve_mesh(placement: str | Sequence[str], num_replicas: int,
-                 num_cells: int) -> list[list[str]]:
-    """The device of cell k of replica r, as `mesh[r][k]`: R x K distinct devices.
+                 devices_per_replica: int) -> list[list[str]]:
+    """Device d of replica r, as `mesh[r][d]`: R x D distinct devices.
 
-    Replica-major: with local devices 0..R*K-1, replica r holds devices r*K .. r*K+K-1, so
+    D is the pipeline's device count, `num_cells / virtual_stages` (K without interleaving).
+    Replica-major: with local devices 0..R*D-1, replica r holds devices r*D .. r*D+D-1, so
     each replica's cells are neighbours (on GPUs, the boundary copies stay within a group of
     adjacent cards; in a cluster, replica r's cells on consecutive tasks).
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas}; a mesh needs at least one replica.")
-    flat = resolve_devices(placement, num_replicas * num_cells, what="devices (num_replicas x "
-                           "num_cells)")
-    return [flat[r * num_cells:(r + 1) * num_cells] for r in range(num_replicas)]
+    flat = resolve_devices(placement, num_replicas * devices_per_replica,
+                           what="devices (num_replicas x num_cells / virtual_stages)")
+    return [flat[r * devices_per_replica:(r + 1) * devices_per_replica]
+            for r in range(num_replicas)]
 
 
 def describe_mesh(mesh: Sequence[Sequence[str]]) -> str:
