@@ -256,8 +256,9 @@ class CellFunctions:
         function: for a forward whose activations are kept for the backward (run under the
         caller's tape). TensorFlow's gradient of a function call is one call that holds every
         activation it was handed until it returns, where inline ops free each layer's as the
-        backward passes it: measured, one kept micro-batch's step peak was 16% (Transformer
-        blocks) and 29% (AmoebaNet cells) lower inline (BENCHMARKS.md, section 9).
+        backward passes it: measured, a step that keeps every activation peaked 16% (Transformer
+        blocks) and 29% (AmoebaNet cells) higher with the forward as a call (BENCHMARKS.md,
+        section 9).
         """
         ctx = _Context.current(fprop_context.current().updates is not None)
         key = (ctx, inline or not self._traced)
