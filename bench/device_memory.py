@@ -17,10 +17,11 @@ or, for a registered model's first PipeliningLayer, one config per K:R:T:schedul
     python bench/device_memory.py measure --model=image.AmoebaNetDigits \
         --configs=2:1:4:1f1b:always,1:2:1:gpipe:never
 
-`peaks[k]` is device k's peak over MEASURED_STEPS training steps (momentum SGD, slots on each
-weight's device) above what the worker held before the pipeline's variables were created: weights,
-gradients, the momentum slot and every transient. Workers are started here and stopped here by
-PID.
+`peaks[k]` is the median over MEASURED_STEPS training steps of device k's peak in the step
+(forward, backward and the update of `lingvo_lite.optimizers`, momentum SGD unless the
+registered task names another) above what the worker held before the pipeline's variables were
+created: weights, gradients, optimizer slots and every transient. Workers are started here and
+stopped here by PID.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -37,11 +39,12 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 JOB = "worker"
-# Steps whose peak is taken after the warm-up step. One: a step's result (the loss) comes back
-# before its weight updates finish, so consecutive steps overlap on the workers; which
-# activations are alive at a device's peak also depends on when transfers complete, so the
-# same step measured twice can differ (up to ~25% at small scale).
-MEASURED_STEPS = 1
+# Steps measured after the warm-up step; a device's peak is the median of their peaks. Which
+# activations are alive at a device's peak also depends on when transfers complete (a receive
+# runs as soon as its sender has produced, not in the receiving device's schedule order), so
+# one step's peak moves from step to step, by up to ~25% at small scale under CPU contention;
+# the median is what the schedule implies under ordinary timing.
+MEASURED_STEPS = 5
 
 
 def _free_port() -> int:
@@ -109,8 +112,9 @@ class Cluster:
 
 def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                  num_micro_batches: int, schedule: str, remat: str, num_replicas: int = 1,
-                 num_slots: int = 1) -> list[int]:
-    """Peak bytes of each of the R x K devices in one training step (module docstring)."""
+                 optimizer=None) -> list[int]:
+    """Peak bytes of each of the R x K devices in one training step (module docstring);
+    `optimizer` (lingvo_lite.optimizers params) defaults to SGD with momentum 0.9."""
     import bench_lib
 
     def build(placement):
@@ -118,23 +122,24 @@ def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                                        schedule=schedule, placement=placement,
                                        num_replicas=num_replicas)
 
-    return _measure(cluster, build, make_batch(), num_cells * num_replicas, num_slots)
+    return _measure(cluster, build, make_batch(), num_cells * num_replicas, optimizer)
 
 
-def _measure(cluster: Cluster, build, batch, num_devices: int, num_slots: int) -> list[int]:
-    """Builds the pipeline on the cluster's first devices; the peak of MEASURED_STEPS steps
-    after a warm-up step.
+def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None) -> list[int]:
+    """Builds the pipeline on the cluster's first devices; each device's median peak over
+    MEASURED_STEPS steps after a warm-up step.
 
-    The step is `FPropAndReplicaGrads`, then a momentum-SGD update from slot 0 of the
-    `num_slots` weight-sized slots created beside each trainable weight (the others stand for
-    the rest of an optimizer's state, e.g. Adam's).
+    The step is `FPropAndReplicaGrads`, then `optimizer.apply` (lingvo_lite.optimizers, the
+    trainer's update: slots beside each trainable weight).
     """
     import gc
 
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite import fprop_context, optimizers
 
+    if optimizer is None:
+        optimizer = optimizers.SGD.Params().Set(momentum=0.9)
     gc.collect()
     time.sleep(0.2)  # Remote handles of an earlier step are released asynchronously.
     before = [m["current"] for m in cluster.memory_info()]
@@ -142,35 +147,41 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, num_slots: int) -
     thetas = pipe.replica_thetas(pipe.theta)
     variables = [[v for v in th.Flatten() if isinstance(v, tf.Variable) and v.trainable]
                  for th in thetas]
-    slots = []
-    for vs in variables:
-        row = []
-        for v in vs:
-            with tf.device(v.device):
-                row.append([tf.Variable(tf.zeros_like(v), trainable=False)
-                            for _ in range(num_slots)])
-        slots.append(row)
+    opt = optimizer.Instantiate()
+    opt.create_slots([v for row in variables for v in row])
 
     def step(batch):
         with fprop_context.fprop_context(training=True):
             out, grads = pipe.FPropAndReplicaGrads(thetas, batch)
-        for theta, g, vs, ss in zip(thetas, grads, variables, slots):
-            by_ref = {v.ref(): x for v, x in zip(theta.Flatten(), g.Flatten())
-                      if isinstance(v, tf.Variable)}
-            for v, s in zip(vs, ss):
-                with tf.device(v.device):
-                    update = by_ref[v.ref()]
-                    if s:
-                        update = s[0].assign(0.9 * s[0] + update)
-                    v.assign_sub(1e-3 * update)
+        grads_and_vars = []
+        for theta, g in zip(thetas, grads):
+            grads_and_vars += [(x, v) for v, x in zip(theta.Flatten(), g.Flatten())
+                               if isinstance(v, tf.Variable) and v.trainable]
+        opt.apply(grads_and_vars, tf.constant(1e-3))
         return out.loss
+
+    def weight_sums():
+        sums = []
+        for row in variables:
+            for v in row:
+                with tf.device(v.device):
+                    sums.append(tf.reduce_sum(v))
+        return tf.add_n(sums)
+
+    # A step's loss comes back before its weight updates finish; a scalar that reads every
+    # weight waits for them, so no step's updates overlap the next step's peak.
+    sync = tf.function(weight_sums, autograph=False)
 
     fn = tf.function(step, autograph=False)
     float(fn(batch))  # Trace and warm up outside the measured steps.
-    cluster.reset_peaks()
+    float(sync())
+    per_step = []
     for _ in range(MEASURED_STEPS):
+        cluster.reset_peaks()
         float(fn(batch))
-    peaks = [m["peak"] - b for m, b in zip(cluster.memory_info(), before)]
+        float(sync())
+        per_step.append([m["peak"] - b for m, b in zip(cluster.memory_info(), before)])
+    peaks = [int(statistics.median(device)) for device in zip(*per_step)]
     return peaks[:num_devices]  # The pipeline is freed with this frame (next call: gc).
 
 
@@ -204,9 +215,8 @@ def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: in
                   num_micro_batches: int, schedule: str, remat: str,
                   model_params_override: str = "") -> list[int]:
     """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
-    with as many slots per weight as the task's optimizer keeps."""
+    updated by the task's optimizer."""
     from lingvo_lite import model_registry
-    from lingvo_lite.pipeline import memory_model
     from lingvo_lite.training import model_config, options
 
     model_registry.add_model_package("model_params")  # As trainer.py does.
@@ -215,13 +225,12 @@ def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: in
         num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=num_micro_batches))
     _, pp = next(iter(model_config.iter_pipelining_params(config.task_params)))
     pp = pp.Copy().Set(schedule=schedule, remat=remat, name=pp.name or "network")
-    num_slots = memory_model.optimizer_slots(config.task_params.train.optimizer)
 
     def build(placement):
         return pp.Copy().Set(placement=placement).Instantiate()
 
     return _measure(cluster, build, random_batch(pp.input_shapes), num_cells * num_replicas,
-                    num_slots)
+                    config.task_params.train.optimizer)
 
 
 def _serve(addresses: list[str], index: int, inter: int) -> None:

@@ -77,7 +77,11 @@ class BaseOptimizer:
                     f"Optimizer has no slots for {var.name}; call create_slots(variables) "
                     "before the first (traced) step."
                 )
-            with colocation.colocated(var):
+            # Only once the gradient exists: a slot's decay (beta * m) needs no gradient and
+            # would otherwise run at the step's start and hold a weight-sized temporary
+            # through the whole forward and backward.
+            with colocation.colocated(var), tf.control_dependencies(
+                    tf.nest.flatten(grad, expand_composites=True)):
                 lr = tf.cast(learning_rate, var.dtype)
                 updates.append(self._apply_one(grad, var, self._slots[var.name], lr))
         return tf.group(*updates)

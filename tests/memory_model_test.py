@@ -56,15 +56,16 @@ def test_parts_by_hand_gpipe_never():
     mem = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800,
                                      schedule.make_schedule("gpipe", 2, 4), "never",
                                      num_slots=3)[1]
-    # Gradients: the sum (800) and micro-batch gradients in flight, min(2 x 800, 800 + 2 x 400).
-    assert (mem.weights, mem.gradients, mem.optimizer_slots, mem.inputs) == (800, 2400, 2400, 0)
+    # Gradients: the gradients (800), the temporaries min(800, 2 x 400) and the running sum
+    # less the largest layer's (800 - 400).
+    assert (mem.weights, mem.gradients, mem.optimizer_slots, mem.inputs) == (800, 2000, 2400, 0)
     # Each of 4 micro-batches keeps its received input (800 / 4) and both layers' saved
     # activations (2 x 1600 / 4): 4 x 1000.
     assert mem.kept_activations == 4 * (200 + 800)
     # Back-propagating the last layer of micro-batch 3: its received output gradient (200)
     # and the layer's temporaries max(2 x 800, 1600 / 2) / 4 = 400 beyond what is kept.
     assert mem.working_activations == 200 + 400
-    assert mem.total == 800 + 2400 + 2400 + 4000 + 600
+    assert mem.total == 800 + 2000 + 2400 + 4000 + 600
 
 
 def test_parts_by_hand_remat_always():

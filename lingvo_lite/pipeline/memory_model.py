@@ -7,7 +7,9 @@ is the sum of
 * weights: every parameter of the cell's layers (trainable or not);
 * gradients: the gradient of each trainable weight, the temporaries of computing and applying
   them (two of the largest layer's weights, at most the cell's), and with T > 1 the running
-  sum of the micro-batches' weight gradients (fitted on weight-heavy dense layers);
+  sum of the micro-batches' weight gradients less the largest layer's (fitted on weight-heavy
+  dense layers at K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add
+  writes into a buffer it no longer needs);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
 * inputs: cell 0 holds the whole received mini-batch for the step (and its micro-batch slices);
@@ -36,7 +38,7 @@ process per device, `bench/device_memory.py`) in `bench/memory_model_check.py` a
 >>> gpipe = schedule.make_schedule("gpipe", 2, 4)
 >>> mem = memory_model.device_memory(part, layers, 800, gpipe, "never", num_slots=1)
 >>> mem[1].weights, mem[1].gradients, mem[1].optimizer_slots
-(800, 2400, 800)
+(800, 2000, 800)
 >>> mem[1].peak_in_flight  # GPipe: all T micro-batches in flight.
 4
 """
@@ -150,7 +152,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         trainable = sum(m.trainable_bytes for m in cell)
         largest_weights = max((m.trainable_bytes for m in cell), default=0)
         gradients = (trainable + min(trainable, 2 * largest_weights)
-                     + (trainable if num_micro > 1 else 0))
+                     + (trainable - largest_weights if num_micro > 1 else 0))
         boundary_in = (input_bytes if k == 0 else layers[a - 1].out_bytes) / num_micro
         boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
         saved = sum(m.saved_bytes for m in cell) / num_micro
