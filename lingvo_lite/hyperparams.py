@@ -174,7 +174,15 @@ def _segments(node: ast.AST) -> list[str]:
     return [_dotted(node)]
 
 
+# Modules renamed since params text was first written; text saved before still parses.
+_MOVED_MODULES = {
+    "lingvo_lite.lr_schedule": "lingvo_lite.learning_rate",
+    "lingvo_lite.pipeline.timeline": "lingvo_lite.pipeline.trace_analysis",
+}
+
+
 def _resolve_symbol(module: str, qualname: str) -> Any:
+    module = _MOVED_MODULES.get(module, module)
     try:
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):

@@ -448,3 +448,13 @@ def test_pickle_round_trip():
     p = _model()
     q = pickle.loads(pickle.dumps(p))
     assert type(q) is InstantiableParams and q == p and q.optimizer.cls is Adam
+
+
+def test_from_text_reads_classes_of_renamed_modules():
+    # params.txt written before lingvo_lite.lr_schedule became lingvo_lite.learning_rate.
+    from lingvo_lite import learning_rate
+
+    p = hyperparams.Params()
+    p.Define("schedule", None, "")
+    p.FromText("schedule : type/lingvo_lite.lr_schedule/CosineDecay")
+    assert p.schedule is learning_rate.CosineDecay
