@@ -73,3 +73,30 @@ def hash_tree(directory: str) -> dict[str, str]:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+def tanh_stack_with_loss(num_layers: int, width: int, num_classes: int,
+                         prefix: str = "p") -> list:
+    """Params of `num_layers` tanh dense layers on field x (named prefix0, prefix1, ...) and a
+    softmax cross-entropy on (x, labels): the small pipeline several tests run."""
+    from lingvo_lite.layers import dense, losses, structural
+
+    layers = [structural.FieldLayer.Params().Set(
+        name=f"{prefix}{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
+            name="proj", input_dim=width, output_dim=width, activation="TANH"))
+        for i in range(num_layers)]
+    layers.append(structural.FieldsLayer.Params().Set(
+        name="loss", fields=["x", "labels"], sub=losses.SoftmaxCrossEntropyLayer.Params().Set(
+            name="xent", input_dim=width, num_classes=num_classes)))
+    return layers
+
+
+def random_xy_batch(batch: int, width: int, num_classes: int):
+    """A NestedMap(x, labels) of normal floats and uniform labels, seeded (same every call)."""
+    import numpy as np
+
+    from lingvo_lite.nested_map import NestedMap
+
+    rng = np.random.default_rng(0)
+    return NestedMap(x=tf.constant(rng.normal(size=(batch, width)), tf.float32),
+                     labels=tf.constant(rng.integers(0, num_classes, size=batch), tf.int32))

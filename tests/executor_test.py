@@ -10,12 +10,11 @@ from __future__ import annotations
 import doctest
 
 import graph_structure
-import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
+from conftest import random_xy_batch, tanh_stack_with_loss
 
 from lingvo_lite import fprop_context
-from lingvo_lite.layers import dense, losses, structural
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     cell_functions,
@@ -166,14 +165,7 @@ class OpNamesTest(tf.test.TestCase):
 
 
 def _dense_stack(num_layers: int, width: int = 8) -> list:
-    layers = [structural.FieldLayer.Params().Set(
-        name=f"p{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
-            name="proj", input_dim=width, output_dim=width, activation="TANH"))
-        for i in range(num_layers)]
-    layers.append(structural.FieldsLayer.Params().Set(
-        name="loss", fields=["x", "labels"], sub=losses.SoftmaxCrossEntropyLayer.Params().Set(
-            name="xent", input_dim=width, num_classes=3)))
-    return layers
+    return tanh_stack_with_loss(num_layers, width, 3)
 
 
 def _stack_pipeline(num_layers: int, num_cells: int, num_micro_batches: int, remat_mode: str,
@@ -186,9 +178,7 @@ def _stack_pipeline(num_layers: int, num_cells: int, num_micro_batches: int, rem
 
 
 def _batch(batch: int = 64, width: int = 8) -> NestedMap:
-    rng = np.random.default_rng(0)
-    return NestedMap(x=tf.constant(rng.normal(size=(batch, width)), tf.float32),
-                     labels=tf.constant(rng.integers(0, 3, size=batch), tf.int32))
+    return random_xy_batch(batch, width, 3)
 
 
 def _step_graph(pipe: pipelining_layer.PipeliningLayer) -> tf.Graph:

@@ -14,10 +14,10 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
+from conftest import random_xy_batch, tanh_stack_with_loss
 from trace_readers import cell_orders
 
 from lingvo_lite import fprop_context
-from lingvo_lite.layers import dense, losses, structural
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     breakdown_advice,
@@ -32,20 +32,11 @@ BATCH, WIDTH, NUM_LAYERS = 256, 384, 8
 
 
 def _layers():
-    layers = [structural.FieldLayer.Params().Set(
-        name=f"dense_{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
-            name="proj", input_dim=WIDTH, output_dim=WIDTH, activation="TANH"))
-        for i in range(NUM_LAYERS)]
-    layers.append(structural.FieldsLayer.Params().Set(
-        name="loss", fields=["x", "labels"], sub=losses.SoftmaxCrossEntropyLayer.Params().Set(
-            name="xent", input_dim=WIDTH, num_classes=10)))
-    return layers
+    return tanh_stack_with_loss(NUM_LAYERS, WIDTH, 10, prefix="dense_")
 
 
 def _batch():
-    rng = np.random.default_rng(0)
-    return NestedMap(x=tf.constant(rng.normal(size=(BATCH, WIDTH)), tf.float32),
-                     labels=tf.constant(rng.integers(0, 10, BATCH), tf.int32))
+    return random_xy_batch(BATCH, WIDTH, 10)
 
 
 def _profile_pipeline(num_micro_batches: int, split_points=None, sched: str = "gpipe",
