@@ -64,6 +64,20 @@ class AdviceTest(unittest.TestCase):
             self.assertIn(row, text)
         self.assertIn("- load imbalance 18%: device 1 is 2.0x busier", text)
 
+    def test_interleaved_bound_counts_devices_and_virtual_stages(self):
+        # 4 cells on D=2 devices (v=2), T=2: (D-1)/(vT+D-1) = 1/5 of the pipelined time,
+        # where GPipe's bound for 4 cells would say 3/5 and for 2 devices without
+        # interleaving 1/3.
+        config = breakdown_advice.PipelineConfig(num_cells=4, num_micro_batches=2,
+                                                 virtual_stages=2)
+        self.assertEqual(2, config.num_devices)
+        self.assertAlmostEqual(1 / 5, config.bubble_bound())
+        text = breakdown_advice.markdown(_breakdown(0.45, 0.45, bubble=0.45), config)
+        self.assertIn("The interleaved bound (D-1)/(vT+D-1) at D=2, v=2, T=2: 20.0%", text)
+        tips = breakdown_advice.advice(_breakdown(0.45, 0.45, bubble=0.45), config)
+        self.assertTrue(any("at T=2 the interleaved bound (D-1)/(vT+D-1) is 20%" in t
+                            for t in tips), msg=tips)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -115,17 +115,38 @@ class OpNamesTest(tf.test.TestCase):
             (0, "fprop"): [0, 1], (0, "wgrad"): [0, 1], (1, "wgrad"): [0, 1],
         })
 
+    def test_function_runs_with_batched_weight_gradients_by_hand(self):
+        # K=2, T=2 GPipe (F0 F1 B1 B0 on each cell), remat except_last: micro-batch 1 is kept
+        # (inline). Every backward takes only the input gradient, none on cell 0; micro-batch
+        # 0's on cell 1 is re-computed (bprop). After the last backward, one wgrad call takes
+        # the weight gradient of both micro-batches; nothing is accumulated per micro-batch.
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"),
+                                      batched_weight_grads=True)
+        all_mb = op_names.ALL_MICRO_BATCHES
+        self.assertEqual(runs, {
+            (0, "fprop"): [0], (0, "wgrad"): [all_mb],
+            (1, "fprop"): [0], (1, "bprop"): [0], (1, "wgrad"): [all_mb],
+        })
+        # One micro-batch has nothing to batch: the executor runs the plain backward.
+        single = schedule.make_schedule("gpipe", 2, 1)
+        self.assertEqual(op_names.function_runs(single, remat.remat_plan(single, "never"),
+                                                batched_weight_grads=True), {})
+
     def test_weight_gradient_names(self):
         cases = {
             "cell_2/wgrad_mb_3/MatMul": (2, "W", 3, "wgrad"),
             "cell_1/wgrad/dense/MatMul": (1, "W", None, "wgrad"),
             "gradient_tape/cell_1/wgrad/dense/MatMul": (1, "W", None, "wgrad"),
+            "replica_1/cell_0/wgrad_all/concat": (0, "W", op_names.ALL_MICRO_BATCHES, "wgrad"),
         }
         for name, want in cases.items():
             parsed = op_names.parse(name)
             self.assertEqual((parsed.cell, parsed.phase, parsed.micro_batch, parsed.family),
                              want, msg=name)
         self.assertEqual("cell_2/wgrad_mb_7", op_names.action_scope("W", 2, 7))
+        self.assertEqual("cell_2/wgrad_all", op_names.batched_weight_gradient_scope(2))
+        self.assertIsNone(op_names.parse("cell_2/fprop_all/x"))
         parsed = op_names.parse(op_names.function_scope("wgrad", 4, replica=1) + "/MatMul")
         self.assertEqual((parsed.cell, parsed.phase, parsed.replica), (4, "W", 1))
         with self.assertRaisesRegex(ValueError, "phase='R'"):

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from lingvo_lite.pipeline import gantt, ideal_timeline, schedule, trace_analysis
+from lingvo_lite.pipeline import gantt, ideal_timeline, op_names, schedule, trace_analysis
 
 MS = 1_000_000  # ns
 T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.
@@ -181,3 +181,35 @@ class GanttFigureTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class InterleavedAndBatchedTest(unittest.TestCase):
+
+    def test_interleaved_cells_share_their_devices_row_and_later_stages_are_hatched(self):
+        # 4 cells on 2 devices (v=2): device 0 runs cells 0 and 2, device 1 cells 1 and 3.
+        rows = [(0, "F", 0, 0, 10), (1, "F", 0, 10, 20), (2, "F", 0, 20, 30),
+                (3, "F", 0, 30, 40), (3, "B", 0, 40, 60), (2, "B", 0, 60, 80),
+                (1, "B", 0, 80, 100), (0, "B", 0, 100, 120)]
+        info = gantt.StepInfo("M", 4, 1, "interleaved", "never", 120.0, virtual_stages=2)
+        fig = gantt.gantt_figure([_box(*r) for r in rows], info)
+        ax = _axes(fig, "measured")
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        self.assertEqual(2, len(labels))
+        # Device 0 is busy 0-10, 20-30, 60-80 and 100-120 ms: 60 of 120 ms idle.
+        self.assertIn("idle 50%", labels[0])
+        for cell, _, mb, _, _ in rows:
+            rect = _rect(ax, f"F cell {cell} mb {mb}")
+            self.assertAlmostEqual(cell % 2, rect.get_y() + rect.get_height() / 2)
+        busy = {p.get_gid(): p for p in ax.collections}
+        self.assertFalse(busy["F cell 0 mb 0 busy"].get_hatch())
+        self.assertTrue(busy["F cell 2 mb 0 busy"].get_hatch())
+        self.assertIn("on 2 devices (v=2)", fig.get_suptitle())
+
+    def test_batched_weight_gradient_box_is_labelled_all(self):
+        all_mb = op_names.ALL_MICRO_BATCHES
+        rows = STEP + [(0, "W", all_mb, 100, 140), (1, "W", all_mb, 70, 110)]
+        fig = gantt.gantt_figure([_box(*r) for r in rows], INFO)
+        ax = _axes(fig, "measured")
+        texts = {t.get_gid(): t.get_text() for t in ax.texts if isinstance(t, Text)}
+        self.assertEqual("all", texts["W cell 0 mb all label"])
+        self.assertIn("weight gradient", _phase_legend(fig))

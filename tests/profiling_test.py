@@ -51,6 +51,29 @@ class TrainerProfileTest(tf.test.TestCase):
         self.assertEqual({0, 1}, {b.cell for b in boxes})
         self.assertIn("Pipeline profile of step 3: bubble ", out.getvalue())
 
+    def test_interleaved_pipeline_is_profiled_per_device(self):
+        # 4 cells on 2 devices (v=2), T=2: the run starts (its model analysis simulates the
+        # interleaved schedule with its virtual stages) and the breakdown has one entry per
+        # device, not per cell.
+        import plan_models  # noqa: F401  (registers PlanMlp)
+
+        logdir = os.path.join(tempfile.mkdtemp(), "run")
+        out, err = io.StringIO(), io.StringIO()
+        status = runner.main(options.RunOptions(
+            model="plan_models.PlanMlp", logdir=logdir, mode="train", max_steps=3,
+            profile_steps="2", model_params_override=(
+                "network.schedule : 'interleaved'; network.virtual_stages : 2; "
+                "network.num_cells : 4; network.num_micro_batches : 2")), out=out, err=err)
+        self.assertEqual(0, status, msg=err.getvalue())
+        train_dir = os.path.join(logdir, "train")
+        with open(os.path.join(train_dir, "pipeline_breakdown.json")) as f:
+            step = json.load(f)["steps"][-1]
+        self.assertEqual({"device_0_busy", "device_1_busy"},
+                         {k for k in step if k.endswith("_busy")})
+        with open(os.path.join(train_dir, "pipeline_trace_2.json")) as f:
+            boxes = boxes_from_trace(json.load(f))
+        self.assertEqual({0, 1, 2, 3}, {b.cell for b in boxes})
+
     def test_serial_devices_cannot_be_profiled_and_nothing_is_written(self):
         import testdata_models  # noqa: F401  (registers TinyMlp)
 

@@ -21,6 +21,7 @@ from lingvo_lite import fprop_context
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     breakdown_advice,
+    op_names,
     pipelining_layer,
     schedule,
     trace_analysis,
@@ -40,11 +41,11 @@ def _batch():
 
 
 def _profile_pipeline(num_micro_batches: int, split_points=None, sched: str = "gpipe",
-                      num_steps: int = 2):
+                      num_steps: int = 2, weight_gradients: str = "per_micro_batch"):
     """Profiles `num_steps` steps; returns the op events of each step."""
     p = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=_layers(), num_cells=2, num_micro_batches=num_micro_batches,
-        schedule=sched, random_seed=1,
+        schedule=sched, random_seed=1, weight_gradients=weight_gradients,
         input_shapes=NestedMap(x=tf.TensorShape([BATCH, WIDTH]), labels=tf.TensorShape([BATCH])))
     if split_points is not None:
         p.Set(partition_method="explicit", split_points=split_points)
@@ -102,6 +103,23 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLessEqual(b.busy_ns, b.end_ns - b.start_ns)
             self.assertEqual(b.busy_ns, sum(e - s for s, e in b.segments))
 
+    @parameterized.parameters("gpipe", "1f1b")
+    def test_batched_weight_gradient_is_one_box_per_cell_after_its_last_backward(self, sched):
+        steps = _profile_pipeline(4, sched=sched, num_steps=1, weight_gradients="batched")
+        boxes = trace_analysis.boxes_from_events(steps[0], sched, "except_last")
+        orders = cell_orders(boxes)
+        want = schedule.make_schedule(sched, 2, 4)
+        for k in range(2):
+            # Every backward computes only the input gradient (none on cell 0, whose input
+            # needs none); then one call takes the weight gradient of all four micro-batches.
+            expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)
+                        if not (k == 0 and a.phase.value == "B")]
+            expected.append(("W", op_names.ALL_MICRO_BATCHES))
+            self.assertEqual(expected, orders[k], msg=f"cell {k}")
+        w_boxes = [b for b in boxes if b.phase == trace_analysis.WEIGHT]
+        self.assertEqual(["W cell 0 mb all", "W cell 1 mb all"],
+                         sorted(trace_analysis.box_name(b) for b in w_boxes))
+
     def test_imbalanced_partition_has_a_larger_imbalance_share(self):
         # Medians over 5 steps: a step whose op was descheduled by another process on the
         # shared cores must not decide the comparison.
@@ -148,6 +166,29 @@ class BreakdownArithmeticTest(tf.test.TestCase):
         self.assertAllClose((140 - 100) / 160, b.bubble)
         self.assertAllClose([100 / 160, 40 / 160], b.device_busy)
         self.assertAllClose([1 - 100 / 140, 1 - 40 / 140], b.device_idle_in_pipeline)
+
+    def test_interleaved_breakdown_is_per_device(self):
+        # 4 cells on 2 devices (v=2): device 0 runs cells 0 and 2, device 1 cells 1 and 3.
+        ev = trace_analysis.OpEvent
+        events = [
+            ev("cell_0/fprop_mb_0/MatMul", "MatMul", 0, 10),
+            ev("cell_1/fprop_mb_0/MatMul", "MatMul", 10, 20),
+            ev("cell_2/fprop_mb_0/MatMul", "MatMul", 20, 30),
+            ev("cell_3/fprop_mb_0/MatMul", "MatMul", 30, 40),
+            ev("cell_3/bprop_mb_0/MatMul", "MatMul", 40, 60),
+            ev("cell_2/bprop_mb_0/recompute/MatMul", "MatMul", 60, 70),
+            ev("cell_2/bprop_mb_0/MatMul", "MatMul", 70, 80),
+            ev("cell_1/bprop_mb_0/MatMul", "MatMul", 80, 100),
+            ev("cell_0/bprop_mb_0/MatMul", "MatMul", 100, 120),
+        ]
+        b = trace_analysis.compute_breakdown(events, 4, virtual_stages=2)
+        # Busy: device 0 = 10 + 10 + 20 + 20 = 60, device 1 = 10 + 10 + 20 + 20 = 60 of 120.
+        self.assertAllClose([0.5, 0.5], b.device_busy)
+        self.assertAllClose(5 / 120, b.recompute)  # 10 on device 0, 0 on device 1, averaged.
+        self.assertAllClose(0.0, b.load_imbalance)
+        self.assertAllClose(60 / 120, b.bubble)
+        with self.assertRaisesRegex(ValueError, "virtual_stages=3 must divide num_cells=4"):
+            trace_analysis.compute_breakdown(events, 4, virtual_stages=3)
 
     def test_classify_op_names(self):
         cases = {

@@ -44,6 +44,22 @@ class PipelineConfig:
     remat: str = "except_last"
     partition_cost: str = "flops"
     partition_costs: Sequence[str] = ("flops", "param_bytes", "activation_bytes")
+    virtual_stages: int = 1  # Cells per device (the interleaved schedule).
+
+    @property
+    def num_devices(self) -> int:
+        return max(self.num_cells // max(self.virtual_stages, 1), 1)
+
+    def bubble_bound(self, num_micro_batches: int | None = None) -> float:
+        """The schedule's idle fraction of a balanced pipeline: (D-1)/(vT+D-1) on D devices
+        with v cells each (GPipe's (K-1)/(T+K-1) when v = 1)."""
+        t = self.num_micro_batches if num_micro_batches is None else num_micro_batches
+        return theoretical_bubble(self.num_devices, self.virtual_stages * t)
+
+    @property
+    def bubble_formula(self) -> str:
+        return ("GPipe's bound (K-1)/(T+K-1)" if self.virtual_stages == 1
+                else "the interleaved bound (D-1)/(vT+D-1)")
 
 
 def _pct(share: float) -> str:
@@ -84,17 +100,17 @@ def _imbalance_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> st
 
 def _bubble_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> list[str]:
     out = []
-    K, T = config.num_cells, config.num_micro_batches
+    K, T = config.num_devices, config.num_micro_batches
     if K > 1 and b.bubble >= BUBBLE_SHARE and T < MICRO_BATCHES_PER_CELL * K:
         more = MICRO_BATCHES_PER_CELL * K
-        out.append(f"bubble {_pct(b.bubble)}: at T={T} GPipe's bound (K-1)/(T+K-1) is "
-                   f"{_pct(theoretical_bubble(K, T))} of the pipelined time; "
+        out.append(f"bubble {_pct(b.bubble)}: at T={T} {config.bubble_formula} is "
+                   f"{_pct(config.bubble_bound())} of the pipelined time; "
                    f"num_micro_batches={more} would bring it to "
-                   f"{_pct(theoretical_bubble(K, more))}")
+                   f"{_pct(config.bubble_bound(more))}")
     pipelined = 1.0 - b.setup - b.weight_update
     if K > 1 and pipelined > 0:
         busiest_idle = b.bubble / pipelined
-        expected = theoretical_bubble(K, T)
+        expected = config.bubble_bound()
         if busiest_idle - expected >= UNEXPLAINED_IDLE:
             out.append(f"the busiest device idles {_pct(busiest_idle)} of the pipelined time, "
                        f"{_pct(expected)} of which the schedule explains: the rest is waiting on "
@@ -152,7 +168,9 @@ def markdown(breakdown: trace_analysis.Breakdown, config: PipelineConfig, title:
     for d, (busy, idle) in enumerate(zip(breakdown.device_busy,
                                          breakdown.device_idle_in_pipeline)):
         lines.append(f"| {d} | {100 * busy:.1f}% | {100 * idle:.1f}% |")
-    K, T = config.num_cells, config.num_micro_batches
-    lines += ["", f"GPipe's bubble bound (K-1)/(T+K-1) at K={K}, T={T}: "
-              f"{100 * theoretical_bubble(K, T):.1f}% of the pipelined time."]
+    K, T, v = config.num_devices, config.num_micro_batches, config.virtual_stages
+    where = f"K={K}, T={T}" if v == 1 else f"D={K}, v={v}, T={T}"
+    formula = config.bubble_formula
+    lines += ["", f"{formula[0].upper()}{formula[1:]} at {where}: "
+              f"{100 * config.bubble_bound():.1f}% of the pipelined time."]
     return "\n".join(lines)

@@ -336,7 +336,7 @@ class Executor:
         """
         inputs = [state.weight_inputs.pop((k, t)) for t in range(num_micro_batches)]
         xs = [x for x, _, _ in inputs]
-        with self._cell_scope(k), tf.name_scope(f"cell_{k}/wgrad_all"), \
+        with self._cell_scope(k), tf.name_scope(op_names.batched_weight_gradient_scope(k)), \
                 tf.control_dependencies(state.last_ops[device]):
             x_all = _concatenate([x.value(x.leaves) for x in xs], batch_dim, k, "input",
                                  shared_scalars=k == 0)

@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lingvo_lite.pipeline import trace_analysis
+from lingvo_lite.pipeline import op_names, trace_analysis
 
 __all__ = [
     "device_idle_fraction",
@@ -76,9 +76,17 @@ class StepInfo:
     schedule: str
     remat: str
     step_ms: float
+    virtual_stages: int = 1  # Cells per device (interleaved): rows are devices, not cells.
+
+    @property
+    def num_devices(self) -> int:
+        return max(self.num_cells // max(self.virtual_stages, 1), 1)
 
     def title(self) -> str:
-        return (f"{self.model}: step {self.step_ms:.1f} ms\nK={self.num_cells}, "
+        cells = f"K={self.num_cells}"
+        if self.virtual_stages > 1:
+            cells += f" on {self.num_devices} devices (v={self.virtual_stages})"
+        return (f"{self.model}: step {self.step_ms:.1f} ms\n{cells}, "
                 f"T={self.num_micro_batches}, schedule {self.schedule}, remat {self.remat}")
 
 
@@ -88,12 +96,22 @@ def phases_present(boxes: Sequence[trace_analysis.Box]) -> list[str]:
     return [p for p in PHASE_NAMES if p in present]
 
 
-def device_idle_fraction(boxes: Sequence[trace_analysis.Box], cell: int, start_ns: int,
-                         end_ns: int) -> float:
-    """Share of [start_ns, end_ns) during which no op of `cell` ran."""
-    runs = [seg for b in boxes if b.cell == cell
+def device_idle_fraction(boxes: Sequence[trace_analysis.Box], device: int, start_ns: int,
+                         end_ns: int, num_devices: int | None = None) -> float:
+    """Share of [start_ns, end_ns) during which no op of `device`'s cells ran (device d
+    holds cells d, d + num_devices, ...; default: one cell per device)."""
+    runs = [seg for b in boxes if _row(b, num_devices) == device
             for seg in (b.segments or ((b.start_ns, b.end_ns),))]
     return 1.0 - trace_analysis.union_ns(runs) / max(end_ns - start_ns, 1)
+
+
+def _row(box: trace_analysis.Box, num_devices: int | None) -> int:
+    """The device (chart row) of a box's cell."""
+    return box.cell if num_devices is None else box.cell % num_devices
+
+
+# Cells of later virtual stages on a device (interleaved) are hatched, stage by stage.
+STAGE_HATCHES = ("", "////", "xxxx", "....")
 
 
 def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tuple[int, int]]:
@@ -107,7 +125,7 @@ def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tupl
     return [(a, b) for a, b in out]
 
 
-def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_cells: int, t0_ns: int,
+def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_devices: int, t0_ns: int,
                    span_ms: float) -> None:
     """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
 
@@ -116,23 +134,27 @@ def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_cells: int, t0_n
     end_ns = max(b.end_ns for b in boxes)
     # Gaps narrower than a pixel between a box's ops would draw as a hatch of hairlines.
     min_gap_ns = span_ms * 1e6 / (FIGURE_WIDTH_IN * DPI)
-    for k in range(num_cells):
+    for k in range(num_devices):
         ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
     for b in boxes:
         color = PHASE_COLORS.get(b.phase, "#777777")
+        row, stage = _row(b, num_devices), b.cell // num_devices
+        hatch = STAGE_HATCHES[stage % len(STAGE_HATCHES)] or None
         start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
-        ax.barh(b.cell, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
+        ax.barh(row, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
                 edgecolor="white", linewidth=0.6, gid=trace_analysis.box_name(b))
         segments = [((s - t0_ns) / 1e6, (e - s) / 1e6)
                     for s, e in _close_gaps(b.segments, min_gap_ns)]
         if segments:
-            ax.broken_barh(segments, (b.cell - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
-                           linewidth=0, gid=f"{trace_analysis.box_name(b)} busy")
-    ax.set_ylim(num_cells - 0.5, -0.5)  # Device 0 on top.
-    ax.set_yticks(range(num_cells))
+            ax.broken_barh(segments, (row - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
+                           linewidth=0, hatch=hatch, edgecolor="white" if hatch else None,
+                           gid=f"{trace_analysis.box_name(b)} busy")
+    ax.set_ylim(num_devices - 0.5, -0.5)  # Device 0 on top.
+    ax.set_yticks(range(num_devices))
     ax.set_yticklabels([
-        f"device {k}\nidle {100 * device_idle_fraction(boxes, k, t0_ns, end_ns):.0f}%"
-        for k in range(num_cells)], fontsize=FONT_PT)
+        f"device {k}\nidle "
+        f"{100 * device_idle_fraction(boxes, k, t0_ns, end_ns, num_devices):.0f}%"
+        for k in range(num_devices)], fontsize=FONT_PT)
     ax.set_xlim(0.0, span_ms)
     ax.tick_params(axis="x", labelsize=FONT_PT)
     ax.tick_params(axis="y", length=0)
@@ -155,7 +177,8 @@ def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float,
     return None
 
 
-def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int) -> None:
+def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int,
+                 num_devices: int) -> None:
     """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
 
     Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
@@ -171,15 +194,16 @@ def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int) -> None:
     while stride * typical_px < needed_px and stride < 64:
         stride *= 2
     for b in boxes:
-        label = str(b.micro_batch)
+        label = trace_analysis.micro_batch_label(b.micro_batch)
         center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
         placement = _label_placement(label, widths[b], row_px)
         if placement is not None:
-            ax.text(center_ms, b.cell, label, ha="center", va="center", fontsize=placement[0],
-                    rotation=placement[1], color="black", gid=f"{trace_analysis.box_name(b)} label",
-                    clip_on=True)
-        elif b.micro_batch % stride == 0 and b.phase != trace_analysis.RECOMPUTE:
-            ax.text(center_ms, b.cell, label, ha="center", va="center",
+            ax.text(center_ms, _row(b, num_devices), label, ha="center", va="center",
+                    fontsize=placement[0], rotation=placement[1], color="black",
+                    gid=f"{trace_analysis.box_name(b)} label", clip_on=True)
+        elif (b.micro_batch % stride == 0 or b.micro_batch == op_names.ALL_MICRO_BATCHES) \
+                and b.phase != trace_analysis.RECOMPUTE:
+            ax.text(center_ms, _row(b, num_devices), label, ha="center", va="center",
                     fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
                     gid=f"{trace_analysis.box_name(b)} label",
                     bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
@@ -216,7 +240,8 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
 
     Args:
       measured: the boxes of one step (`trace_analysis.boxes_from_events`).
-      info: the title's facts; `info.num_cells` rows are drawn.
+      info: the title's facts; one row per device: `info.num_cells / info.virtual_stages`
+        (device d holds cells d, d + D, ...; later virtual stages hatched).
       predicted: the schedule's prediction (`ideal_timeline.predict_from_measured`), drawn
         under the measured step on the same axis.
       breakdown: the step's Figure 4 breakdown, drawn at the bottom.
@@ -224,15 +249,16 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     if not measured:
         raise ValueError("gantt_figure needs at least one box; was a pipeline step profiled?")
     num_cells = max(info.num_cells, 1 + max(b.cell for b in measured))
+    num_devices = max(num_cells // max(info.virtual_stages, 1), 1)
     t0_ns = min(b.start_ns for b in measured)
     measured_ms = (max(b.end_ns for b in measured) - t0_ns) / 1e6
     span_ms = measured_ms
     if predicted:
         predicted_ms = max(b.end_ns for b in predicted) / 1e6
         span_ms = max(span_ms, predicted_ms)
-    panels = [("measured", num_cells * ROW_HEIGHT_IN + 0.2)]
+    panels = [("measured", num_devices * ROW_HEIGHT_IN + 0.2)]
     if predicted:
-        panels.append(("predicted", num_cells * ROW_HEIGHT_IN + 0.2))
+        panels.append(("predicted", num_devices * ROW_HEIGHT_IN + 0.2))
     if breakdown is not None:
         panels.append(("breakdown", 0.3))
     height_in = (sum(h for _, h in panels) + 0.6 * len(panels) + 1.2
@@ -247,7 +273,7 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
         ax.set_label(label)
         by_label[label] = ax
     ax = by_label["measured"]
-    _draw_timeline(ax, measured, num_cells, t0_ns, span_ms)
+    _draw_timeline(ax, measured, num_devices, t0_ns, span_ms)
     ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     # The legend names the phases of both panels: a prediction of a split-backward schedule
     # has W boxes even where the measured step has none.
@@ -256,7 +282,7 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
     if predicted:
         ax = by_label["predicted"]
-        _draw_timeline(ax, predicted, num_cells, 0, span_ms)
+        _draw_timeline(ax, predicted, num_devices, 0, span_ms)
         ax.set_title(f"Simulated {info.schedule} schedule, mean durations: "
                      f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
@@ -267,9 +293,9 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     if breakdown is not None:
         _draw_breakdown(by_label["breakdown"], breakdown)
     fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.
-    _label_boxes(by_label["measured"], measured, t0_ns)
+    _label_boxes(by_label["measured"], measured, t0_ns, num_devices)
     if predicted:
-        _label_boxes(by_label["predicted"], predicted, 0)
+        _label_boxes(by_label["predicted"], predicted, 0, num_devices)
     return fig
 
 

@@ -11,6 +11,9 @@ once per micro-batch. Two kinds of names come out of that:
   `cell_{k}/bprop/...` (the re-computed forward and the backward of a re-materialised action),
   `cell_{k}/accumulate/...` (the weight-gradient sums), `cell_{k}/wgrad/...` (the weight
   gradient of a split backward, added to the sums in the same function);
+- with `weight_gradients='batched'`, one call per cell computes the weight gradient of all
+  micro-batches at once after the cell's last backward: call site `cell_{k}/wgrad_all/...`,
+  body `cell_{k}/wgrad/...`; its micro-batch is `ALL_MICRO_BATCHES`;
 - a micro-batch that keeps its activations runs its forward inline at its call site
   (`cell_{k}/fprop_mb_{t}/fprop/...`), and TensorFlow names the tape gradient of those ops
   `gradient_tape/cell_{k}/fprop_mb_{t}/...` (tape gradients traced inside a function:
@@ -43,10 +46,13 @@ FPROP_GRADIENT = "fprop_gradient"  # The tape gradient of a kept (inline) forwar
 FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT, WGRAD)
 _FUNCTIONS = (FPROP, BPROP, ACCUMULATE, WGRAD)
 _CALL_KIND = {FORWARD: FPROP, BACKWARD: BPROP, WEIGHT: WGRAD}
+ALL_MICRO_BATCHES = -1  # The micro-batch of the one batched weight-gradient call per cell.
+BATCHED_WGRAD_SCOPE = f"{WGRAD}_all"
 
 _NAME = re.compile(
     r"^(?P<grad>gradient_tape/|gradients/)?(?:.*?/)?"
-    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate|wgrad)(?:_mb_(?P<t>\d+))?/(?P<rest>.*)$")
+    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate|wgrad)(?:_mb_(?P<t>\d+)|(?P<all>_all))?/"
+    r"(?P<rest>.*)$")
 _REPLICA = re.compile(r"(?:^|/)replica_(?P<replica>\d+)/cell_\d+/")
 
 
@@ -86,6 +92,10 @@ def parse(name: str) -> ParsedName | None:
         return None
     cell = int(m.group("cell"))
     t = None if m.group("t") is None else int(m.group("t"))
+    if m.group("all"):
+        if m.group("kind") != WGRAD:
+            return None
+        t = ALL_MICRO_BATCHES
     replica_match = _REPLICA.search(name)
     replica = int(replica_match.group("replica")) if replica_match else 0
     kind, rest, grad = m.group("kind"), m.group("rest"), m.group("grad")
@@ -102,8 +112,14 @@ def parse(name: str) -> ParsedName | None:
     return ParsedName(cell, phase, t, BPROP, replica)
 
 
+def batched_weight_gradient_scope(cell: int) -> str:
+    """The name scope of cell `cell`'s one weight-gradient call for all micro-batches."""
+    return f"cell_{cell}/{BATCHED_WGRAD_SCOPE}"
+
+
 def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
-                  kept_inline: bool = True) -> dict[tuple[int, str], list[int]]:
+                  kept_inline: bool = True,
+                  batched_weight_grads: bool = False) -> dict[tuple[int, str], list[int]]:
     """Per (cell, function family), the micro-batches of that function's calls in run order.
 
     `keep` is the remat plan (`remat.remat_plan`). A cell's actions run one after the other in
@@ -123,7 +139,13 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
         else bprop (the re-computation stays in B); cell 0 computes none (its input needs
         no gradient).
       W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
+    With `batched_weight_grads` (and T > 1, a schedule that does not split the backward) every
+    backward is an input gradient as in a split backward, and after the cell's last one a
+    wgrad call for ALL_MICRO_BATCHES computes the weight gradient of all of them.
     """
+    batched = (batched_weight_grads and not sched.splits_backward
+               and sched.num_micro_batches > 1)
+    splits = sched.splits_backward or batched
     kept_gradient = [] if kept_inline else [FPROP_GRADIENT]
     runs: dict[tuple[int, str], list[int]] = {}
     for k in range(sched.num_cells):
@@ -134,16 +156,17 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
                 families = [] if (k, t) in keep and kept_inline else [FPROP]
             elif action.phase is Phase.WEIGHT:
                 families = [WGRAD]
-            elif sched.splits_backward and k == 0:
+            elif splits and k == 0:
                 families = []  # Cell 0's input gradient is not computed: W does the work.
             elif (k, t) in keep:
-                families = kept_gradient + (
-                    [] if sched.splits_backward or not has_sums else [ACCUMULATE])
+                families = kept_gradient + ([] if splits or not has_sums else [ACCUMULATE])
             else:
                 families = [BPROP]
             if action.phase is not Phase.FORWARD and (
-                    action.phase is Phase.WEIGHT or not sched.splits_backward):
+                    action.phase is Phase.WEIGHT or not splits):
                 has_sums = True
             for family in families:
                 runs.setdefault((k, family), []).append(t)
+        if batched:
+            runs.setdefault((k, WGRAD), []).append(ALL_MICRO_BATCHES)
     return runs

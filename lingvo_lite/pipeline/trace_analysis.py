@@ -45,6 +45,7 @@ __all__ = [
     "find_xplane_files",
     "load_xspaces",
     "merge_intervals",
+    "micro_batch_label",
     "op_events",
     "OpEvent",
     "PHASES",
@@ -77,7 +78,8 @@ class OpEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Box:
-    """The ops of one action phase: F, R (re-computation), B or W of micro-batch t on cell k."""
+    """The ops of one action phase: F, R (re-computation), B or W of micro-batch t on cell k
+    (t = `op_names.ALL_MICRO_BATCHES` for the batched weight gradient of all of them)."""
 
     cell: int
     phase: str
@@ -89,9 +91,15 @@ class Box:
     segments: tuple[tuple[int, int], ...] = ()  # That union, as disjoint [start, end) runs.
 
 
+def micro_batch_label(micro_batch: int) -> str:
+    """'3', or 'all' for the batched weight gradient (`op_names.ALL_MICRO_BATCHES`)."""
+    return "all" if micro_batch == op_names.ALL_MICRO_BATCHES else str(micro_batch)
+
+
 def box_name(box: Box) -> str:
-    """The name one action phase goes by in charts and traces, e.g. 'F cell 1 mb 3'."""
-    return f"{box.phase} cell {box.cell} mb {box.micro_batch}"
+    """The name one action phase goes by in charts and traces, e.g. 'F cell 1 mb 3' (the
+    batched weight gradient: 'W cell 1 mb all')."""
+    return f"{box.phase} cell {box.cell} mb {micro_batch_label(box.micro_batch)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +278,10 @@ def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedul
     # Kept forwards ran inline if their body's ops name their micro-batch (not so on serial
     # devices, where they are calls).
     kept_inline = any(_INLINE_FORWARD.search(e.name) for e, _ in parsed)
-    return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode), kept_inline)
+    # Weight-gradient ops where the schedule has no W actions: weight_gradients='batched'.
+    batched = not sched.splits_backward and any(p.family == op_names.WGRAD for _, p in parsed)
+    return op_names.function_runs(sched, remat.remat_plan(sched, remat_mode), kept_inline,
+                                  batched_weight_grads=batched)
 
 
 _INLINE_FORWARD = re.compile(r"cell_\d+/fprop_mb_\d+/fprop/")
@@ -316,13 +327,17 @@ def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
 # The Figure 4 breakdown.
 
 
-def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None) -> Breakdown:
-    """The breakdown (see `Breakdown`) of one step's op events.
+def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None,
+                      virtual_stages: int = 1) -> Breakdown:
+    """The breakdown (see `Breakdown`) of one step's op events, per device.
 
     Args:
       events: the ops of exactly one step (see `step_windows` / `events_in`); bookkeeping
         ops (BOOKKEEPING_OPS) bound the step but are not cell work.
-      num_cells: K; default: 1 + the largest cell index seen.
+      num_cells: the cells the partition made; default: 1 + the largest cell index seen.
+      virtual_stages: cells per device (the interleaved schedule: device d runs cells d,
+        d + D, ... of D = num_cells / virtual_stages devices); a device is busy while an op
+        of any of its cells runs.
     """
     if not events:
         raise ValueError("compute_breakdown got no op events; profile at least one step.")
@@ -343,13 +358,22 @@ def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None) -
                          "was a PipeliningLayer's FPropAndGrads profiled?")
     if num_cells is None:
         num_cells = max(per_cell) + 1
+    if virtual_stages < 1 or num_cells % virtual_stages:
+        raise ValueError(f"virtual_stages={virtual_stages} must divide num_cells={num_cells}.")
+    num_devices = num_cells // virtual_stages
+    per_device: dict[int, list[tuple[int, int]]] = {}
+    recompute_per_device: dict[int, list[tuple[int, int]]] = {}
+    for cell, intervals in per_cell.items():
+        per_device.setdefault(cell % num_devices, []).extend(intervals)
+    for cell, intervals in recompute.items():
+        recompute_per_device.setdefault(cell % num_devices, []).extend(intervals)
     first = min(s for iv in per_cell.values() for s, _ in iv)
     last = max(e for iv in per_cell.values() for _, e in iv)
     pipe_ns = max(last - first, 1)
-    busy = [union_ns(per_cell.get(k, [])) for k in range(num_cells)]
-    rec = [union_ns(recompute.get(k, [])) for k in range(num_cells)]
-    mean_busy = sum(busy) / num_cells
-    mean_rec = sum(rec) / num_cells
+    busy = [union_ns(per_device.get(d, [])) for d in range(num_devices)]
+    rec = [union_ns(recompute_per_device.get(d, [])) for d in range(num_devices)]
+    mean_busy = sum(busy) / num_devices
+    mean_rec = sum(rec) / num_devices
     max_busy = max(busy)
     return Breakdown(
         step_ns=step_ns,

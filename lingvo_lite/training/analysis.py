@@ -110,13 +110,14 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             ratio = (sum(t.backward_s for t in profile.layers)
                      / max(sum(t.forward_s for t in profile.layers), 1e-12))
             prediction = simulator.predict(part, forward, num_micro, p.schedule, p.remat,
-                                           backward_ratio=ratio)
+                                           backward_ratio=ratio,
+                                           virtual_stages=p.virtual_stages)
             lines += [f"Predicted step (schedule simulator; time = measured forward seconds, "
                       f"backward = {ratio:.2f} x forward, transfers free):",
                       "  " + prediction.summary()]
         elif metas is not None and num_micro is not None:
             prediction = simulator.predict(part, [m.flops for m in metas], num_micro,
-                                           p.schedule, p.remat)
+                                           p.schedule, p.remat, virtual_stages=p.virtual_stages)
             lines += ["Predicted step (schedule simulator; time = forward FLOPs, backward = "
                       "2 x forward, transfers free):", "  " + prediction.summary()]
     if p.num_replicas > 1:

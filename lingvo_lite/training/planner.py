@@ -154,7 +154,9 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
     q.num_cells = num_cells
     metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
     part = pipelining_layer.PipeliningLayer.ComputePartition(q)
-    sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches)
+    virtual_stages = p.virtual_stages if schedule == "interleaved" else 1
+    sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches,
+                                       virtual_stages)
     return _device_memory(part, memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size),
                           base_layer.activation_bytes(q.input_shapes), sched, remat, num_slots,
                           num_replicas)

@@ -154,7 +154,9 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
                                            description.remat, description.virtual_stages)
         if not boxes:
             continue
-        last_breakdown = trace_analysis.compute_breakdown(step_events)
+        num_cells = description.num_cells or 1 + max(b.cell for b in boxes)
+        last_breakdown = trace_analysis.compute_breakdown(step_events, num_cells,
+                                                          description.virtual_stages)
         steps.append({"step": step, **last_breakdown.as_scalars(prefix="")})
         last_boxes = boxes
     if not steps:
@@ -200,14 +202,17 @@ def build_report(result: dict, description: PipelineDescription) -> Report:
     num_micro_batches = description.num_micro_batches or 1 + max(b.micro_batch for b in boxes)
     info = gantt.StepInfo(model=description.model or "pipeline", num_cells=num_cells,
                           num_micro_batches=num_micro_batches, schedule=description.schedule,
-                          remat=description.remat, step_ms=breakdown.step_ns / 1e6)
+                          remat=description.remat, step_ms=breakdown.step_ns / 1e6,
+                          virtual_stages=description.virtual_stages)
     config = breakdown_advice.PipelineConfig(
         num_cells=num_cells, num_micro_batches=num_micro_batches, remat=description.remat,
         partition_cost=description.partition_cost,
-        partition_costs=pipelining_layer.PARTITION_COSTS)
+        partition_costs=pipelining_layer.PARTITION_COSTS,
+        virtual_stages=description.virtual_stages)
     predicted = []
     if description.schedule in schedule.SCHEDULES:
-        sched = schedule.make_schedule(description.schedule, num_cells, num_micro_batches)
+        sched = schedule.make_schedule(description.schedule, num_cells, num_micro_batches,
+                                       description.virtual_stages)
         predicted = ideal_timeline.predict_from_measured(sched, boxes)
     tips = breakdown_advice.advice(breakdown, config)
     return Report(info=info, config=config, predicted=predicted,
