@@ -56,6 +56,18 @@ class ChromeTraceTest(unittest.TestCase):
         self.assertEqual(sorted(BOXES, key=lambda b: (b.cell, b.start_ns)),
                          boxes_from_trace(trace))
 
+    def test_interleaved_tracks_name_device_and_cell_and_sort_by_device(self):
+        boxes = [trace_analysis.Box(cell, "F", 0, 1000 * cell, 1000 * cell + 500, 500, 1,
+                                    ((1000 * cell, 1000 * cell + 500),)) for cell in range(4)]
+        trace = chrome_trace.trace_events(boxes, step=1, num_devices=2)
+        meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+        names = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+        self.assertEqual({0: "device 0, cell 0", 1: "device 1, cell 1", 2: "device 0, cell 2",
+                          3: "device 1, cell 3"}, names)
+        order = {e["tid"]: e["args"]["sort_index"] for e in meta
+                 if e["name"] == "thread_sort_index"}
+        self.assertEqual([0, 2, 1, 3], sorted(order, key=order.get))
+
     def test_one_named_track_per_device_and_box_names(self):
         trace = chrome_trace.trace_events(BOXES, step=7)
         tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]

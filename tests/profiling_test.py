@@ -71,8 +71,10 @@ class TrainerProfileTest(tf.test.TestCase):
         self.assertEqual({"device_0_busy", "device_1_busy"},
                          {k for k in step if k.endswith("_busy")})
         with open(os.path.join(train_dir, "pipeline_trace_2.json")) as f:
-            boxes = boxes_from_trace(json.load(f))
-        self.assertEqual({0, 1, 2, 3}, {b.cell for b in boxes})
+            trace = json.load(f)
+        self.assertEqual({0, 1, 2, 3}, {b.cell for b in boxes_from_trace(trace)})
+        self.assertIn("device 0, cell 2", {e["args"]["name"] for e in trace["traceEvents"]
+                                           if e.get("name") == "thread_name"})
 
     def test_serial_devices_cannot_be_profiled_and_nothing_is_written(self):
         import testdata_models  # noqa: F401  (registers TinyMlp)

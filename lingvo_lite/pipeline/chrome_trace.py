@@ -25,7 +25,7 @@ __all__ = ["assign_lanes", "MEASURED_PID", "PREDICTED_PID", "trace_events", "wri
 MEASURED_PID = 1
 PREDICTED_PID = 2
 _PHASE_NAMES = {trace_analysis.FORWARD: "forward", trace_analysis.RECOMPUTE: "recompute",
-                trace_analysis.BACKWARD: "backward"}
+                trace_analysis.BACKWARD: "backward", trace_analysis.WEIGHT: "weight gradient"}
 
 
 # Trace viewers need the slices of one track to nest. On CPUs a device's actions can overlap
@@ -51,29 +51,40 @@ def assign_lanes(boxes: Sequence[trace_analysis.Box]) -> list[int]:
     return lanes
 
 
-def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]]) -> list[dict]:
+def _track_name(cell: int, num_devices: int | None) -> str:
+    """'device k', or with several cells per device (interleaved) 'device d, cell k'."""
+    if num_devices is None:
+        return f"device {cell}"
+    return f"device {cell % num_devices}, cell {cell}"
+
+
+def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]],
+              num_devices: int | None) -> list[dict]:
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                "args": {"name": process_name}},
               {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                "args": {"sort_index": pid}}]
     for cell, lane in sorted(tracks):
         tid = LANE_TID_STRIDE * lane + cell
-        name = f"device {cell}" + (f" (overlapping {lane})" if lane else "")
+        name = _track_name(cell, num_devices) + (f" (overlapping {lane})" if lane else "")
+        # Tracks sort by device, then cell, then lane.
+        device = cell if num_devices is None else cell % num_devices
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                        "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                       "args": {"sort_index": LANE_TID_STRIDE * cell + lane}})
+                       "args": {"sort_index": LANE_TID_STRIDE * (LANE_TID_STRIDE * device + cell)
+                                + lane}})
     return events
 
 
 def _box_events(boxes: Sequence[trace_analysis.Box], pid: int, process_name: str,
-                origin_ns: int) -> list[dict]:
+                origin_ns: int, num_devices: int | None) -> list[dict]:
     def us(t_ns: int) -> float:
         return (t_ns - origin_ns) / 1000.0
 
     lanes = assign_lanes(boxes)
     tracks = {(b.cell, 0) for b in boxes} | {(b.cell, n) for b, n in zip(boxes, lanes)}
-    return _metadata(pid, process_name, tracks) + [{
+    return _metadata(pid, process_name, tracks, num_devices) + [{
         "ph": "X", "name": trace_analysis.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
         "pid": pid, "tid": LANE_TID_STRIDE * lane + b.cell, "ts": us(b.start_ns),
         "dur": (b.end_ns - b.start_ns) / 1000.0,
@@ -85,21 +96,28 @@ def _box_events(boxes: Sequence[trace_analysis.Box], pid: int, process_name: str
 
 def trace_events(measured: Sequence[trace_analysis.Box], step: int,
                  predicted: Sequence[trace_analysis.Box] | None = None,
-                 title: str = "") -> dict:
-    """The trace-event JSON object of one step's boxes (and the schedule's prediction)."""
+                 title: str = "", num_devices: int | None = None) -> dict:
+    """The trace-event JSON object of one step's boxes (and the schedule's prediction).
+
+    `num_devices`: when the cells outnumber the devices (the interleaved schedule: device d
+    holds cells d, d + num_devices, ...), each cell's track is named after its device too.
+    """
     if not measured:
         raise ValueError("trace_events needs at least one measured box.")
     origin_ns = min(b.start_ns for b in measured)
-    events = _box_events(measured, MEASURED_PID, f"measured: global step {step}", origin_ns)
+    events = _box_events(measured, MEASURED_PID, f"measured: global step {step}", origin_ns,
+                         num_devices)
     if predicted:  # Predictions start at 0.
-        events += _box_events(predicted, PREDICTED_PID, "predicted by the schedule simulator", 0)
+        events += _box_events(predicted, PREDICTED_PID, "predicted by the schedule simulator", 0,
+                              num_devices)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}
 
 
 def write_trace(path: str, measured: Sequence[trace_analysis.Box], step: int,
-                predicted: Sequence[trace_analysis.Box] | None = None, title: str = "") -> str:
+                predicted: Sequence[trace_analysis.Box] | None = None, title: str = "",
+                num_devices: int | None = None) -> str:
     """Writes `trace_events(...)` to `path` (open it in https://ui.perfetto.dev); returns it."""
     with open(path, "w") as f:
-        json.dump(trace_events(measured, step, predicted, title), f)
+        json.dump(trace_events(measured, step, predicted, title, num_devices), f)
     return path

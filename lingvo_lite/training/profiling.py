@@ -228,7 +228,8 @@ def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
 
     return chrome_trace.write_trace(
         os.path.join(trace_dir, f"pipeline_trace_{step}.json"), result["boxes"], step,
-        predicted=report.predicted, title=one_line(report.info.title()))
+        predicted=report.predicted, title=one_line(report.info.title()),
+        num_devices=(report.info.num_devices if report.info.virtual_stages > 1 else None))
 
 
 def write_summaries(writers, subdir: str, step: int, result: dict, report: Report) -> None:
