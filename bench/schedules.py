@@ -35,26 +35,18 @@ import bench_lib  # noqa: E402
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
 
 
-def _idle_per_device(events, schedule_name: str, remat: str, virtual_stages: int,
-                     num_devices: int) -> float:
+def _idle_per_device(events, virtual_stages: int, num_devices: int) -> float:
     """Mean over devices of their idle share of the pipelined phase (first to last cell op)."""
     from lingvo_lite.pipeline import trace_analysis
 
-    classified = trace_analysis.classify_events(events, schedule_name, remat, virtual_stages)
-    busy: dict[int, list[tuple[int, int]]] = {}
-    for e, cell, _, _ in classified:
-        busy.setdefault(cell % num_devices, []).append((e.start_ns, e.end_ns))
-    first = min(s for iv in busy.values() for s, _ in iv)
-    last = max(e for iv in busy.values() for _, e in iv)
-    span = max(last - first, 1)
-    return statistics.mean(1.0 - trace_analysis.union_ns(busy.get(d, [])) / span
-                           for d in range(num_devices))
+    breakdown = trace_analysis.compute_breakdown(events, num_devices * virtual_stages,
+                                                 virtual_stages)
+    return statistics.mean(breakdown.device_idle_in_pipeline)
 
 
-def _profile(fn, batch, schedule_name: str, remat: str, virtual_stages: int,
-             num_devices: int, steps: int = 3) -> float:
+def _profile(fn, batch, virtual_stages: int, num_devices: int, steps: int = 3) -> float:
     return statistics.median(
-        _idle_per_device(events, schedule_name, remat, virtual_stages, num_devices)
+        _idle_per_device(events, virtual_stages, num_devices)
         for events in bench_lib.profiled_steps(fn, batch, steps)[0])
 
 
@@ -86,7 +78,7 @@ def fig_speedup(args: argparse.Namespace) -> dict:
                                        schedule=m["schedule"], virtual_stages=m["v"])
         fn = bench_lib.pipeline_train_step(pipe)[0]
         float(fn(batch))
-        m["idle"] = _profile(fn, batch, m["schedule"], remat, m["v"], k)
+        m["idle"] = _profile(fn, batch, m["v"], k)
     return {"model": args.model, "devices": k,
             "median_s": {n: bench_lib.median(s) for n, s in samples.items()}, "meta": meta}
 
