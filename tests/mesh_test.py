@@ -42,11 +42,12 @@ def mesh_layers() -> list:
     ]
 
 
-def mesh_params(num_replicas: int, num_cells: int, num_micro_batches: int):
+def mesh_params(num_replicas: int, num_cells: int, num_micro_batches: int,
+                micro_batch_loop: bool = False):
     return pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=mesh_layers(), num_cells=num_cells, num_replicas=num_replicas,
         num_micro_batches=num_micro_batches, remat="always", input_shapes=input_shapes(),
-        random_seed=7)
+        random_seed=7, micro_batch_loop=micro_batch_loop)
 
 
 def reference(layers, thetas, batch, num_groups: int, step_seed: int):
@@ -71,8 +72,17 @@ class MeshEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.product(mesh=[(1, 1), (2, 1), (1, 2), (2, 2)], num_micro_batches=[1, 4])
     def test_step_matches_single_device_model(self, mesh, num_micro_batches):
+        self._check_step(mesh, num_micro_batches, micro_batch_loop=False)
+
+    @parameterized.parameters((1, 3), (2, 2))
+    def test_micro_batch_loop_step_matches_single_device_model(self, num_replicas, num_cells):
+        # The loop hands batch norm's per-micro-batch statistics on after it ends.
+        self._check_step((num_replicas, num_cells), 4, micro_batch_loop=True)
+
+    def _check_step(self, mesh, num_micro_batches, micro_batch_loop):
         num_replicas, num_cells = mesh
-        pipe = mesh_params(num_replicas, num_cells, num_micro_batches).Instantiate()
+        pipe = mesh_params(num_replicas, num_cells, num_micro_batches,
+                           micro_batch_loop).Instantiate()
         batch = make_batch()
         bn = pipe.layers[BN_INDEX].sub
         init_mean, init_var = bn.moving_mean.numpy(), bn.moving_variance.numpy()

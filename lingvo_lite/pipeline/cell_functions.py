@@ -316,8 +316,8 @@ class CellFunctions:
 
     def backward(self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
                  example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
-                 need_weight_grads: bool = True,
-                 family: str = op_names.BPROP) -> tuple[list[Any], list[Any]]:
+                 need_weight_grads: bool = True, family: str = op_names.BPROP,
+                 packed: tuple[int, ...] = ()) -> tuple[list[Any], list[Any]]:
         """Re-runs the forward on `x` under a tape and differentiates it with `dy`.
 
         Args:
@@ -334,6 +334,9 @@ class CellFunctions:
           need_weight_grads: add the weight gradients to `grad_sums` (False: the B of a
             split backward, whose W comes later).
           family: the function's name in op names: 'bprop', or 'wgrad' for a W action.
+          packed: positions (among the trainable leaves) of weights whose gradients are summed
+            in one flat vector (`pack_gradients`); the sums are then that vector followed by
+            the other leaves' sums. A loop carries one tensor instead of many small ones.
 
         Returns:
           (dx, new_grad_sums): dx per leaf of x (None for non-float leaves, [] if not
@@ -341,10 +344,11 @@ class CellFunctions:
         """
         ctx = _Context(bool(fprop_context.current().training), fprop_context.current().batch_dim,
                        False)
-        key = (ctx, need_dx, need_weight_grads, family)
+        key = (ctx, need_dx, need_weight_grads, family, packed)
         if key not in self._backward:
             self._backward[key] = _TracedOnce(
-                lambda *a: self._backward_body(ctx, need_dx, need_weight_grads, family, *a),
+                lambda *a: self._backward_body(ctx, need_dx, need_weight_grads, family, packed,
+                                               *a),
                 self._name(family), self._traced)
         args = self._arguments(theta, x, example_offset, step_seed)
         dy_leaves = flatten(dy)
@@ -354,7 +358,8 @@ class CellFunctions:
         return flat[:num_dx], flat[num_dx:]
 
     def _backward_body(self, ctx: _Context, need_dx: bool, need_weight_grads: bool,
-                       family: str, structure: Any, theta_leaves: list[Any],
+                       family: str, packed: tuple[int, ...], structure: Any,
+                       theta_leaves: list[Any],
                        x_leaves: list[Any], offset: Any, seed_leaves: list[Any],
                        dy_leaves: list[Any], grad_sums: list[Any]) -> tuple[list[Any], Any]:
         del structure  # Only tells traces apart.
@@ -377,7 +382,7 @@ class CellFunctions:
             dx_iter = iter(grads[:len(x_sources)])
             dx = ([next(dx_iter) if is_float(v) else None for v in flatten(x)]
                   if need_dx else [])
-            weight_grads = grads[len(x_sources):]
+            weight_grads = pack_gradients(grads[len(x_sources):], packed)
             if not need_weight_grads:
                 sums = []
             elif grad_sums:
@@ -419,6 +424,27 @@ def float_outputs_and_gradients(
     return ys, dys
 
 
+def pack_gradients(grads: Sequence[Any], packed: Sequence[int]) -> list[Any]:
+    """The gradients at positions `packed` as one flat vector, followed by the others."""
+    if not packed:
+        return list(grads)
+    chosen = set(packed)
+    flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in packed], 0)
+    return [flat] + [g for i, g in enumerate(grads) if i not in chosen]
+
+
+def unpack_gradients(sums: Sequence[Any], packed: Sequence[int],
+                     like: Sequence[Any]) -> list[Any]:
+    """Inverse of `pack_gradients`: one tensor per leaf of `like`, shaped like it."""
+    if not packed:
+        return list(sums)
+    sizes = [like[i].shape.num_elements() for i in packed]
+    pieces = dict(zip(packed, tf.split(sums[0], sizes)))
+    rest = iter(sums[1:])
+    return [tf.reshape(pieces[i], like[i].shape) if i in pieces else next(rest)
+            for i in range(len(like))]
+
+
 def add_gradients(sums: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
     """Leaf-wise sums + grads; embedding-lookup gradients (IndexedSlices) added densely."""
     out = []
@@ -429,4 +455,5 @@ def add_gradients(sums: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
     return out
 
 
-__all__ = ["CallInput", "CellFunctions", "float_outputs_and_gradients", "add_gradients"]
+__all__ = ["CallInput", "CellFunctions", "float_outputs_and_gradients", "add_gradients",
+           "pack_gradients", "unpack_gradients"]

@@ -36,6 +36,7 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     collectives,
     executor,
+    loop_executor,
     micro_batch,
     partition,
     placement,
@@ -209,6 +210,12 @@ class PipeliningLayer(base_layer.BaseLayer):
             "small micro-batches, for the memory of one full-batch re-computation per cell. "
             "Refused for layers with per-micro-batch statistics (batch norm) and zero_bubble.")
         p.Define(
+            "micro_batch_loop", False,
+            "Run the micro-batches in a tf.while_loop (loop_executor.py): each cell is called "
+            "from one loop body instead of once per micro-batch, so the step's graph and its "
+            "start-up time no longer grow with T, while the loop's iterations still overlap "
+            "across devices. For schedule='gpipe' with remat='always' (GPipe's own setting).")
+        p.Define(
             "serial_devices", False,
             "Run every forward and backward of a cell as one function on TensorFlow's "
             "single-threaded executor, so each device runs one op at a time (like an "
@@ -243,6 +250,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         if isinstance(p.num_replicas, bool) or not isinstance(p.num_replicas, int) \
                 or p.num_replicas < 1:
             raise ValueError(f"{self.path}: num_replicas={p.num_replicas!r} must be an int >= 1.")
+        if p.micro_batch_loop:
+            try:
+                loop_executor.check_loop_supported(p.schedule, p.remat, p.weight_gradients)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from None
         self._partition = self.ComputePartition(p)
         num_cells = self._partition.num_cells
         try:  # The schedule's name and virtual_stages, checked before any device is chosen.
@@ -262,6 +274,11 @@ class PipeliningLayer(base_layer.BaseLayer):
             self._mesh = tpu.strategy_mesh(self._tpu_strategy, self._num_devices)
         else:
             self._mesh = placement.resolve_mesh(p.placement, p.num_replicas, self._num_devices)
+        if p.micro_batch_loop and self._tpu_strategy is not None:
+            raise ValueError(
+                f"{self.path}: micro_batch_loop=True under a TPUStrategy: XLA runs a loop's "
+                "iterations one after another, so the cells would not overlap; set "
+                "micro_batch_loop=False.")
         self._active_replica: int | None = None  # Set while FPropAndReplicaGrads runs one.
         self._executors: dict[int, executor.Executor] = {}
         self.CreateChildren(
@@ -428,7 +445,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                                    traced=self._tpu_strategy is None,
                                    serial=self.params.serial_devices)
                      for k in range(self.num_cells)]
-            self._executors[replica] = executor.Executor(
+            make = (loop_executor.LoopExecutor if self.params.micro_batch_loop
+                    else executor.Executor)
+            self._executors[replica] = make(
                 cells, lambda k: self._cell_scope(k, replica), serial=self.params.serial_devices)
         return self._executors[replica]
 

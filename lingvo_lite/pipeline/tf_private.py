@@ -10,7 +10,11 @@ Each of these has no public equivalent in TensorFlow 2.21:
   or an unused output is enough to trigger it; with 2KT call sites that doubled the first
   step's run time). tf.function accepts only listed attributes: `allow_function_attributes`
   adds `_nospecialize` to its lists;
-- `xplane_pb2`: the profiler's trace protobuf, read by `trace_analysis`.
+- `xplane_pb2`: the profiler's trace protobuf, read by `trace_analysis`;
+- `without_automatic_control_dependencies`: a tf.while_loop built inside it has no automatic
+  control dependencies in its body. With them, every loop output waits for every stateful op
+  of its iteration (each cell's call), so iteration t + 1 could not start its first cell before
+  iteration t finished its last: the micro-batch loop would not pipeline at all.
 
 If a TensorFlow upgrade breaks the pipeline, look here first.
 """
@@ -68,6 +72,27 @@ def serial_function_calls(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         ctx.function_call_options = saved
+
+
+@contextlib.contextmanager
+def without_automatic_control_dependencies() -> Iterator[None]:
+    """Control-flow bodies built inside get only the control dependencies written in them.
+
+    `tf.while_loop` builds its body with the enclosing graph's automatic-control-dependency
+    setting (while_v2 reads `Graph._add_control_dependencies`); eager code has none to change.
+    """
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    saved = getattr(graph, "_add_control_dependencies", None)
+    if saved is None:
+        yield
+        return
+    graph._add_control_dependencies = False
+    try:
+        yield
+    finally:
+        graph._add_control_dependencies = saved
 
 
 def xplane_pb2() -> ModuleType:
