@@ -7,9 +7,10 @@ Model: a stack of L dense layers (width 64, tanh) and a softmax loss, N=64 examp
 K logical CPU devices (serial_devices=True: the accelerator emulation), remat 'always'. For each
 (L, K, T) a fresh process builds the pipeline and times the first call of the traced training
 step (trace + graph optimisation + one run), then the median of later steps, and counts the
-ops of the step's graph including every function body. With --baseline, each configuration
-also runs against the other checkout's `lingvo_lite`, alternating, so the two columns are
-measured side by side.
+ops of the step's graph including every function body. Each configuration runs unrolled (one
+call per action) and with `micro_batch_loop=True` (the micro-batches in a tf.while_loop), and
+with --baseline also against the other checkout's `lingvo_lite`, alternating, so the columns are
+measured side by side; each is the median of --repeats fresh processes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def worker(args: argparse.Namespace) -> dict:
     pipe = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=layers, num_cells=args.cells, num_micro_batches=args.micro_batches,
         remat="always", partition_method="uniform", serial_devices=True,
-        random_seed=1).Instantiate()
+        random_seed=1)
+    if args.loop:
+        pipe.Set(micro_batch_loop=True)
+    pipe = pipe.Instantiate()
     rng = np.random.default_rng(0)
     batch = NestedMap(x=tf.constant(rng.normal(size=(BATCH, WIDTH)), tf.float32),
                       labels=tf.constant(rng.integers(0, 10, size=BATCH), tf.int32))
@@ -76,10 +80,11 @@ def worker(args: argparse.Namespace) -> dict:
     return {"first_s": first, "step_s": statistics.median(times), "ops": ops}
 
 
-def run(code_root: str, layers: int, cells: int, micro_batches: int, steps: int) -> dict:
+def run(code_root: str, layers: int, cells: int, micro_batches: int, steps: int,
+        loop: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--code_root={code_root}",
            f"--layers={layers}", f"--cells={cells}", f"--micro_batches={micro_batches}",
-           f"--steps={steps}"]
+           f"--steps={steps}"] + (["--loop"] if loop else [])
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=code_root)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode:
@@ -95,6 +100,9 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=4)
     parser.add_argument("--micro_batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="Steps timed after the first.")
+    parser.add_argument("--loop", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="Fresh processes per configuration and variant (medians).")
     parser.add_argument("--baseline", default=None,
                         help="Another checkout's root, measured side by side.")
     parser.add_argument("--configs", default=",".join(f"{a}x{b}x{c}" for a, b, c in CONFIGS),
@@ -105,14 +113,19 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    roots = {"this": ROOT}
+    variants = {"this": (ROOT, False), "loop": (ROOT, True)}
     if args.baseline:
-        roots["baseline"] = os.path.abspath(args.baseline)
+        variants["baseline"] = (os.path.abspath(args.baseline), False)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     rows = []
     for layers, cells, micro in configs:
-        results = {name: run(root, layers, cells, micro, args.steps)
-                   for name, root in roots.items()}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (root, loop) in variants.items():
+                runs[name].append(run(root, layers, cells, micro, args.steps, loop))
+        results = {name: {key: statistics.median(r[key] for r in results_of)
+                          for key in ("first_s", "step_s", "ops")}
+                   for name, results_of in runs.items()}
         rows.append(((layers, cells, micro), results))
         print(json.dumps({"L": layers, "K": cells, "T": micro, **results}), flush=True)
     table = _table(rows, bool(args.baseline))
@@ -123,11 +136,15 @@ def main() -> None:
 
         body = [
             "A stack of L dense layers (width 64) and a softmax loss, N=64, K cells on K serial "
-            "logical CPU devices, remat 'always'. First step: the first call of the traced "
-            "training step (trace + graph optimisation + one run), each configuration in a fresh "
-            "process; step: median of later steps; graph ops: the step's graph plus every "
-            "function body. Baseline: the code before issue 14 (commit b2f3317), every layer "
-            "traced per micro-batch.", "", *table]
+            "logical CPU devices, remat 'always', GPipe's schedule. First step: the first call "
+            "of the traced training step (trace + graph optimisation + one run), each "
+            f"configuration in a fresh process, median of {args.repeats}; vs T=1: that time over "
+            "the same variant's at T=1 (issue 14's goal: at most 2x at T=32); step: median of "
+            "later steps; graph ops: the step's graph plus every function body. Unrolled: one "
+            "call of a cell's traced function per action (2KT calls); loop: "
+            "`micro_batch_loop=True`, the micro-batches in two tf.while_loops (4K calls). "
+            "Baseline: the code before issue 14 (commit b2f3317), every layer traced per "
+            "micro-batch.", "", *table]
         command = "python bench/first_step.py" + (
             " --baseline=<a checkout of b2f3317>" if args.baseline else "") + " --record"
         print(report.record_separate("11_first_step", "11. Start-up vs micro-batches: cells "
@@ -135,24 +152,27 @@ def main() -> None:
 
 
 def _table(rows: list, baseline: bool) -> list[str]:
-    if baseline:
-        header = ("| L | K | T | first step (baseline) | first step | step (baseline) | step "
-                  "| step ratio | graph ops (baseline) | graph ops |")
-    else:
-        header = "| L | K | T | first step | step | graph ops |"
+    """Per configuration: first step, its ratio to T=1, step time and graph size per variant."""
+    first_at_one = {(layers, cells): r for (layers, cells, micro), r in rows if micro == 1}
+
+    def versus_one(layers: int, cells: int, name: str, value: float) -> str:
+        one = first_at_one.get((layers, cells))
+        return f"{value / one[name]['first_s']:.2f}x" if one else "-"
+
+    names = (["baseline"] if baseline else []) + ["this", "loop"]
+    label = {"baseline": "baseline", "this": "unrolled", "loop": "loop"}
+    header = ("| L | K | T | " + " | ".join(f"first step ({label[n]})" for n in names) + " | "
+              + " | ".join(f"vs T=1 ({label[n]})" for n in names) + " | "
+              + " | ".join(f"step ({label[n]})" for n in names) + " | "
+              + " | ".join(f"graph ops ({label[n]})" for n in names) + " |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for (layers, cells, micro), r in rows:
-        this = r["this"]
-        if baseline:
-            base = r["baseline"]
-            lines.append(
-                f"| {layers} | {cells} | {micro} | {base['first_s']:.1f} s | "
-                f"{this['first_s']:.1f} s | {base['step_s'] * 1e3:.1f} ms | "
-                f"{this['step_s'] * 1e3:.1f} ms | {this['step_s'] / base['step_s']:.2f} | "
-                f"{base['ops']:,} | {this['ops']:,} |")
-        else:
-            lines.append(f"| {layers} | {cells} | {micro} | {this['first_s']:.1f} s | "
-                         f"{this['step_s'] * 1e3:.1f} ms | {this['ops']:,} |")
+        lines.append(
+            f"| {layers} | {cells} | {micro} | "
+            + " | ".join(f"{r[n]['first_s']:.1f} s" for n in names) + " | "
+            + " | ".join(versus_one(layers, cells, n, r[n]["first_s"]) for n in names) + " | "
+            + " | ".join(f"{r[n]['step_s'] * 1e3:.1f} ms" for n in names) + " | "
+            + " | ".join(f"{int(r[n]['ops']):,}" for n in names) + " |")
     return lines
 
 
