@@ -142,7 +142,7 @@ def main() -> None:
             "the same variant's at T=1 (issue 14's goal: at most 2x at T=32); step: median of "
             "later steps; graph ops: the step's graph plus every function body. Unrolled: one "
             "call of a cell's traced function per action (2KT calls); loop: "
-            "`micro_batch_loop=True`, the micro-batches in two tf.while_loops (4K calls). "
+            "`micro_batch_loop=True`, the micro-batches in two tf.while_loops (2K calls). "
             "Baseline: the code before issue 14 (commit b2f3317), every layer traced per "
             "micro-batch.", "", *table]
         command = "python bench/first_step.py" + (

@@ -125,6 +125,24 @@ class _Context:
         return cls(bool(ctx.training), ctx.batch_dim, collect_updates)
 
 
+def _spec_of(v: Any) -> Any:
+    return None if v is None else tf.TensorSpec(v.shape, v.dtype)
+
+
+def _specs(value: Any) -> Any:
+    """`value` (a tensor or NestedMap, None leaves kept) with every tensor replaced by its spec."""
+    return pack(value, [_spec_of(v) for v in flatten(value)])
+
+
+def input_specs(value: Any) -> CallInput:
+    """A CallInput of specs shaped like `prepare(value)` would make it (int32 as int64)."""
+    leaves = flatten(value)
+    was_int32 = tuple(v is not None and v.dtype == tf.int32 for v in leaves)
+    return CallInput(value, tuple(
+        None if v is None else tf.TensorSpec(v.shape, tf.int64 if m else v.dtype)
+        for v, m in zip(leaves, was_int32)), was_int32)
+
+
 def _signature(value: Any) -> Any:
     """A hashable key of a call's arguments: tensors by dtype and shape, variables by identity,
     Python values as they are (what makes tf.function trace anew)."""
@@ -132,7 +150,7 @@ def _signature(value: Any) -> Any:
         return tuple(_signature(v) for v in value)
     if isinstance(value, tf.Variable):
         return ("variable", id(value))
-    if tf.is_tensor(value):
+    if tf.is_tensor(value) or isinstance(value, tf.TensorSpec):  # A spec traces as its tensor.
         return ("tensor", value.dtype, tuple(value.shape.as_list()) if value.shape.rank
                 is not None else None)
     return value
@@ -168,9 +186,9 @@ class _TracedOnce:
         """How many times the body was traced (one per input signature)."""
         return len(self._structures)
 
-    def __call__(self, *args: Any) -> tuple[list[Any], Any]:
-        if self._function is None:
-            return self._body(*args)
+    def trace(self, *args: Any) -> tuple[Any, Any]:
+        """(the concrete function, the output structure) for `args`, traced if new; tensor
+        arguments may be tf.TensorSpecs. Nothing is called."""
         # tf.function's own dispatch costs ~10 ms per call with a cell's worth of weights as
         # arguments; T calls with the same signature look their trace up here instead.
         signature = _signature(args)
@@ -180,7 +198,12 @@ class _TracedOnce:
             if id(concrete) not in self._structures:
                 self._structures[id(concrete)] = (concrete, self._last_structure)
             found = self._by_signature[signature] = self._structures[id(concrete)]
-        concrete, structure = found
+        return found
+
+    def __call__(self, *args: Any) -> tuple[list[Any], Any]:
+        if self._function is None:
+            return self._body(*args)
+        concrete, structure = self.trace(*args)
         return list(concrete(*args)), structure
 
 
@@ -275,6 +298,26 @@ class CellFunctions:
         return y, offset, [
             (layer, tf.nest.pack_sequence_as(s, [next(rest) for _ in tf.nest.flatten(s)]))
             for layer, s in reports]
+
+    def forward_output_specs(self, theta: NestedMap, x: CallInput,
+                             step_seed: CallInput) -> tuple[Any, list[tuple[Any, Any]]]:
+        """What `forward` on `x` returns, as tf.TensorSpecs, from its trace (no call is made).
+
+        `x` may hold tf.TensorSpecs for leaves (the prepared dtypes: int64 for int32). Returns
+        (y like the forward's output, [(layer, statistics)] like its reports), every tensor
+        replaced by its spec: what a loop needs to set up its TensorArrays before it runs.
+        """
+        if not self._traced:
+            raise ValueError("forward_output_specs needs traced cell functions.")
+        ctx = _Context.current(fprop_context.current().updates is not None)
+        key = (ctx, False)
+        if key not in self._forward:
+            self._forward[key] = _TracedOnce(
+                lambda *a: self._forward_body(ctx, False, *a), self._name(op_names.FPROP), True)
+        args = self._arguments(theta, x, tf.TensorSpec([], tf.int64), step_seed)
+        _, (y_like, reports) = self._forward[key].trace(*args)
+        return (_specs(y_like),
+                [(layer, tf.nest.map_structure(_spec_of, s)) for layer, s in reports])
 
     def _arguments(self, theta: NestedMap, x: CallInput, example_offset: tf.Tensor,
                    step_seed: CallInput) -> list[Any]:
@@ -435,13 +478,12 @@ def pack_gradients(grads: Sequence[Any], packed: Sequence[int]) -> list[Any]:
 
 def unpack_gradients(sums: Sequence[Any], packed: Sequence[int],
                      like: Sequence[Any]) -> list[Any]:
-    """Inverse of `pack_gradients`: one tensor per leaf of `like`, shaped like it."""
-    if not packed:
-        return list(sums)
+    """Inverse of `pack_gradients`: one tensor per leaf of `like`, shaped like it (sums whose
+    static shape was lost, e.g. in a loop, get it back)."""
     sizes = [like[i].shape.num_elements() for i in packed]
-    pieces = dict(zip(packed, tf.split(sums[0], sizes)))
-    rest = iter(sums[1:])
-    return [tf.reshape(pieces[i], like[i].shape) if i in pieces else next(rest)
+    pieces = dict(zip(packed, tf.split(sums[0], sizes))) if packed else {}
+    rest = iter(sums[1:] if packed else sums)
+    return [tf.reshape(pieces[i] if i in pieces else next(rest), like[i].shape)
             for i in range(len(like))]
 
 
@@ -456,4 +498,4 @@ def add_gradients(sums: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
 
 
 __all__ = ["CallInput", "CellFunctions", "float_outputs_and_gradients", "add_gradients",
-           "pack_gradients", "unpack_gradients"]
+           "input_specs", "pack_gradients", "unpack_gradients"]

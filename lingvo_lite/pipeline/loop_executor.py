@@ -5,10 +5,11 @@ time: ~7 ms of Python to trace the call into the step's graph, and graph optimis
 site when the step first runs (BENCHMARKS.md, section 11). `LoopExecutor` runs GPipe's
 fill-drain schedule with re-materialisation 'always' (GPipe's own setting) as two
 `tf.while_loop`s, one over the forwards and one over the backwards, whose bodies call every
-cell once. Micro-batch 0's forward and micro-batch T-1's backward run before their loops: they
-give the boundary values' shapes and the first weight gradients, which then become the running
-sums without a zero-filled buffer. A step holds 4 x K calls whatever T is, as in Lingvo's
-GPipe (a While loop) and praxis (a scan).
+cell once: a step holds 2K calls whatever T is, as Lingvo's GPipe (a While loop) and praxis (a
+scan) do. The TensorArrays that carry values between the loops are set up from the cells'
+traces (`CellFunctions.forward_output_specs`), and the gradient sums start as scalar zeros of
+unknown shape, so the first micro-batch's gradients become the sums by broadcasting: no
+weight-sized zeros, and one trace of each cell's backward.
 
 Why the pipeline still overlaps: TensorFlow lowers the loops to its dataflow control flow,
 whose iterations run concurrently (up to `parallel_iterations`). Iteration t's call of cell k
@@ -54,6 +55,7 @@ from lingvo_lite.pipeline import op_names, tf_private
 from lingvo_lite.pipeline.cell_functions import (
     CallInput,
     flatten,
+    input_specs,
     is_trainable,
     pack,
     unpack_gradients,
@@ -116,10 +118,9 @@ def _with_nones(tensors: Sequence[Any], present: Sequence[bool]) -> list[Any]:
     return [next(it) if p else None for p in present]
 
 
-def _arrays(values: Sequence[Any], size: int) -> list[tf.TensorArray]:
-    """One TensorArray of `size` per tensor, on the current device, holding it at index 0."""
-    return [tf.TensorArray(v.dtype, size=size, element_shape=v.shape).write(0, v)
-            for v in values]
+def _arrays(specs: Sequence[tf.TensorSpec], size: int) -> list[tf.TensorArray]:
+    """One empty TensorArray of `size` per spec, on the current device."""
+    return [tf.TensorArray(s.dtype, size=size, element_shape=s.shape) for s in specs]
 
 
 def _write(arrays: Sequence[tf.TensorArray], index: Any, values: Sequence[Any]) -> list[Any]:
@@ -168,7 +169,7 @@ class _ForwardRun:
 
     outputs: list[Any]  # The last cell's output, by micro-batch.
     micro_batches: _MicroBatches  # Cell 0's inputs.
-    first_inputs: list[CallInput]  # Every cell's prepared input of micro-batch 0.
+    first_inputs: list[CallInput]  # Every cell's input as specs (structure and dtypes).
     arrays: list[list[tf.TensorArray]]  # Cell k >= 1: its input's present leaves, by t.
     present: list[tuple[bool, ...]]  # Cell k >= 1: which leaves of its input are tensors.
 
@@ -200,50 +201,63 @@ class LoopExecutor(Executor):
         return tf.name_scope(f"cell_{k}/inputs")
 
     @staticmethod
-    def _loop_scope(phase: str, k: int, t: Any) -> Any:
-        """Call sites outside the loops name their micro-batch; inside, 'loop' stands for t."""
-        name = op_names.action_scope(phase, k, t if isinstance(t, int) else 0)
-        return tf.name_scope(name if isinstance(t, int) else name[:-1] + "loop")
+    def _loop_scope(phase: str, k: int, t: int | None) -> Any:
+        """Call sites outside the loops name their micro-batch; inside (t None), 'loop'."""
+        name = op_names.action_scope(phase, k, 0 if t is None else t)
+        return tf.name_scope(name if t is not None else name[:-1] + "loop")
 
     def _loop(self, num_iterations: int, body: Callable[..., tuple[Any, ...]],
-              state: tuple[Any, ...], name: str) -> tuple[Any, ...]:
-        """`state = body(i, *state)` for i = 0 .. num_iterations - 1, as a tf.while_loop."""
-        if num_iterations <= 0:
-            return state
+              state: tuple[Any, ...], name: str,
+              shape_invariants: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        """`state = body(i, *state)` for i = 0 .. num_iterations - 1, as a tf.while_loop
+        (`shape_invariants`: like `state`, None where a value keeps its shape)."""
 
         def step(i: tf.Tensor, *state: Any) -> tuple[Any, ...]:
             return (i + 1, *body(i, *state))
 
+        invariants = None if shape_invariants is None else (None, *shape_invariants)
         placement = (contextlib.nullcontext() if tf.executing_eagerly()
                      else tf.compat.v1.device(_device_of_input))
         with placement, tf_private.without_automatic_control_dependencies():
             out = tf.while_loop(lambda i, *_: i < num_iterations, step,
-                                (tf.constant(0), *state),
+                                (tf.constant(0), *state), shape_invariants=invariants,
                                 parallel_iterations=self._parallel_iterations, name=name)
         return tuple(out[1:])
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _forward_chain(self, thetas: Sequence[NestedMap], x: Any, t: Any,
-                       micro_batch_size: int, seeds: list[CallInput],
-                       tokens: list[Any] | None) -> tuple[list[CallInput], Any, list[Any],
-                                                          list[Any]]:
-        """Micro-batch t through every cell: (the cells' prepared inputs, the last cell's
-        output, each cell's reported statistics, each cell's completion token)."""
+    def _forward_chain(self, thetas: Sequence[NestedMap], x: Any, micro_batch_size: int,
+                       seeds: list[CallInput], tokens: list[Any]) -> tuple[list[CallInput], Any,
+                                                                        list[Any], list[Any]]:
+        """One micro-batch through every cell: (the cells' prepared inputs, the last cell's
+        output, each cell's reported statistics, each cell's offset: its token)."""
         inputs, reports, new_tokens = [], [], []
         for k, cell in enumerate(self._cells):
             with self._cell_scope(k), self._bookkeeping_scope(k):
-                # The offset of micro-batch t, computed from this cell's previous call's
-                # output: the data dependency that keeps the cell's calls in order.
-                offset = (self._offset(t, micro_batch_size) if tokens is None
-                          else tokens[k] + micro_batch_size)
-            with self._cell_scope(k), self._loop_scope(op_names.FORWARD, k, t):
+                # This micro-batch's offset from this cell's previous call's: the data
+                # dependency that keeps the cell's calls in order.
+                offset = tokens[k] + micro_batch_size
+            with self._cell_scope(k), self._loop_scope(op_names.FORWARD, k, None):
                 prepared = cell.prepare(x)
                 x, offset, cell_reports = cell.forward(thetas[k], prepared, offset, seeds[k])
             inputs.append(prepared)
             reports.append(cell_reports)
             new_tokens.append(offset)
         return inputs, x, reports, new_tokens
+
+    def _specs(self, thetas: Sequence[NestedMap], x: Any,
+               seeds: list[CallInput]) -> tuple[list[CallInput], Any, list[Any]]:
+        """From the cells' traces, no call: each cell's input as a CallInput of tf.TensorSpecs,
+        the last cell's output and every cell's reported statistics, as specs."""
+        inputs, reports = [], []
+        x = input_specs(x)
+        for k, cell in enumerate(self._cells):
+            inputs.append(x)
+            with self._cell_scope(k):
+                y, cell_reports = cell.forward_output_specs(thetas[k], x, seeds[k])
+            reports.append(cell_reports)
+            x = input_specs(y)
+        return inputs, y, reports
 
     def _run_forward(self, thetas: Sequence[NestedMap], xs: Sequence[Any],
                      micro_batch_size: int, seeds: list[CallInput],
@@ -253,31 +267,32 @@ class LoopExecutor(Executor):
         as the unrolled executor hands them on."""
         num_micro, last = len(xs), self.num_cells - 1
         micro_batches = _MicroBatches(xs)
-        inputs0, y0, reports0, tokens = self._forward_chain(thetas, xs[0], 0, micro_batch_size,
-                                                            seeds, None)
-        y_present = _present(flatten(y0))
+        input_like, y_like, reports_like = self._specs(thetas, xs[0], seeds)
+        y_present = _present(flatten(y_like))
 
         def outputs_of(y: Any, reports: list[Any]) -> list[Any]:
             return _tensors(flatten(y), y_present) + [
                 leaf for cell_reports in reports for _, s in cell_reports
                 for leaf in tf.nest.flatten(s)]
 
-        present = [_present(x.leaves) for x in inputs0[1:]] if keep_inputs else []
+        present = [_present(x.leaves) for x in input_like[1:]] if keep_inputs else []
         with self._cell_scope(last):
-            out_arrays = _arrays(outputs_of(y0, reports0), num_micro)
-        in_arrays = []
+            out_arrays = _arrays(outputs_of(y_like, reports_like), num_micro)
+        in_arrays, tokens = [], []
         for k in range(1, len(present) + 1):
             with self._cell_scope(k):
-                in_arrays.append(_arrays(_tensors(inputs0[k].leaves, present[k - 1]),
+                in_arrays.append(_arrays(_tensors(input_like[k].leaves, present[k - 1]),
                                          num_micro))
+        for k in range(self.num_cells):
+            with self._cell_scope(k), self._bookkeeping_scope(k):
+                tokens.append(self._offset(0, micro_batch_size) - micro_batch_size)
 
-        def body(i: tf.Tensor, tokens: list[Any], out_arrays: list[Any],
+        def body(t: tf.Tensor, tokens: list[Any], out_arrays: list[Any],
                  in_arrays: list[list[Any]]) -> tuple[Any, ...]:
-            t = i + 1
             with self._cell_scope(0):
                 x = micro_batches.read(t)
-            inputs, y, reports, tokens = self._forward_chain(thetas, x, t, micro_batch_size,
-                                                             seeds, tokens)
+            inputs, y, reports, tokens = self._forward_chain(thetas, x, micro_batch_size, seeds,
+                                                             tokens)
             with self._cell_scope(last):
                 out_arrays = _write(out_arrays, t, outputs_of(y, reports))
             written = []
@@ -287,20 +302,20 @@ class LoopExecutor(Executor):
                                           _tensors(inputs[k].leaves, present[k - 1])))
             return tokens, out_arrays, written
 
-        _, out_arrays, in_arrays = self._loop(num_micro - 1, body,
-                                              (tokens, out_arrays, in_arrays), "forward_loop")
+        _, out_arrays, in_arrays = self._loop(num_micro, body, (tokens, out_arrays, in_arrays),
+                                              "forward_loop")
         with self._cell_scope(last):
             per_leaf = _unstack(out_arrays, num_micro)
         num_y = sum(y_present)
-        outputs = [pack(y0, _with_nones([leaf[t] for leaf in per_leaf[:num_y]], y_present))
+        outputs = [pack(y_like, _with_nones([leaf[t] for leaf in per_leaf[:num_y]], y_present))
                    for t in range(num_micro)]
         for t in range(num_micro):
             reported = iter(leaf[t] for leaf in per_leaf[num_y:])
-            for cell_reports in reports0:
+            for cell_reports in reports_like:
                 _report([(layer, tf.nest.pack_sequence_as(
                     s, [next(reported) for _ in tf.nest.flatten(s)]))
                     for layer, s in cell_reports])
-        return _ForwardRun(outputs, micro_batches, inputs0, in_arrays, present)
+        return _ForwardRun(outputs, micro_batches, input_like, in_arrays, present)
 
     def forward(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
                 micro_batch_size: int) -> list[Any]:
@@ -318,36 +333,33 @@ class LoopExecutor(Executor):
         if k == 0:
             return self._cells[0].prepare(run.micro_batches.read(t))
         first = run.first_inputs[k]
-        if isinstance(t, int) and t == 0:
-            return first
         leaves = _with_nones([a.read(t) for a in run.arrays[k - 1]], run.present[k - 1])
         return CallInput(first.like, tuple(leaves), first.was_int32)
 
-    def _backward_chain(self, run: _ForwardRun, thetas: Sequence[NestedMap], t: Any, dy: Any,
-                        sums: list[list[Any]], packed: list[tuple[int, ...]],
-                        tokens: list[list[Any]] | None,
-                        micro_batch_size: int, seeds: list[CallInput],
+    def _backward_chain(self, run: _ForwardRun, thetas: Sequence[NestedMap], t: tf.Tensor,
+                        dy: Any, sums: list[list[Any]], packed: list[tuple[int, ...]],
+                        tokens: list[list[Any]], micro_batch_size: int, seeds: list[CallInput],
                         need_input_grads: bool) -> tuple[list[Any], list[list[Any]],
                                                          list[list[Any]]]:
         """Micro-batch t's backward through every cell, last to first: (cell 0's input
-        gradient per leaf, or [] if not needed; the new sums; the completion tokens)."""
-        sums, new_tokens = list(sums), [[] for _ in self._cells]
+        gradient per leaf, or [] if not needed; the new sums; the new tokens)."""
+        sums, tokens = list(sums), list(tokens)
         dx: list[Any] = []
         for k in reversed(range(self.num_cells)):
-            wait = tokens[k] if tokens is not None else []
             with self._cell_scope(k), self._bookkeeping_scope(k):
                 offset = self._offset(t, micro_batch_size)
                 x = self._input_at(run, k, t)
-            with self._cell_scope(k), self._loop_scope(op_names.BACKWARD, k, t), \
-                    tf.control_dependencies(wait):
+            with self._cell_scope(k), self._loop_scope(op_names.BACKWARD, k, None), \
+                    tf.control_dependencies(tokens[k]):
                 dx, sums[k] = self._cells[k].backward(
                     thetas[k], x, dy, sums[k], offset, seeds[k],
                     need_dx=k > 0 or need_input_grads, packed=packed[k])
-            # The sums chain a cell's calls already; a cell without weights needs a token.
-            new_tokens[k] = [] if sums[k] else [g for g in dx if g is not None][:1]
+            if tokens[k]:  # A cell without weights: its sums cannot chain its calls.
+                with self._cell_scope(k), self._bookkeeping_scope(k):
+                    tokens[k] = [tf.size(g, out_type=tf.int64) for g in dx if g is not None][:1]
             if k > 0:
                 dy = pack(x.like, dx)
-        return dx, sums, new_tokens
+        return dx, sums, tokens
 
     def train(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
               micro_batch_size: int, keep: frozenset[Key], loss_gradient: Callable[[Any], Any],
@@ -375,20 +387,24 @@ class LoopExecutor(Executor):
                 return pack(dys[0], _with_nones([tf.gather(s, t) for s in dy_stacked],
                                                 dy_present))
 
-        # The last micro-batch's backward first: its weight gradients start the sums.
         sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
         packed = [packed_leaves(s) for s in sources]
-        dx_last, sums, tokens = self._backward_chain(
-            run, thetas, num_micro - 1, dys[-1], [[] for _ in self._cells], packed, None,
-            micro_batch_size, seeds, need_input_grads)
-        dx_present = _present(dx_last)
+        # The sums start as scalar zeros of unknown shape: the first micro-batch's gradients
+        # then become them by broadcasting, with no weight-sized zeros and one trace of each
+        # cell's backward for all micro-batches.
+        sums, tokens = [], []
+        for k in range(self.num_cells):
+            with self._cell_scope(k), self._bookkeeping_scope(k):
+                sums.append([tf.zeros([], dtype) for dtype in _sum_dtypes(sources[k], packed[k])])
+                tokens.append([] if sums[k] else [tf.constant(0, tf.int64)])
+        dx_like = run.first_inputs[0].leaves if need_input_grads else ()
+        dx_present = tuple(v is not None and v.dtype.is_floating for v in dx_like)
         with self._cell_scope(0):
-            dx_arrays = [tf.TensorArray(g.dtype, size=num_micro, element_shape=g.shape).write(
-                num_micro - 1, g) for g in _tensors(dx_last, dx_present)]
+            dx_arrays = _arrays(_tensors(dx_like, dx_present), num_micro)
 
         def body(i: tf.Tensor, sums: list[list[Any]], tokens: list[list[Any]],
                  dx_arrays: list[Any]) -> tuple[Any, ...]:
-            t = num_micro - 2 - i
+            t = num_micro - 1 - i
             dx, sums, tokens = self._backward_chain(run, thetas, t, dy_at(t), sums, packed,
                                                     tokens, micro_batch_size, seeds,
                                                     need_input_grads)
@@ -396,8 +412,11 @@ class LoopExecutor(Executor):
                 dx_arrays = _write(dx_arrays, t, _tensors(dx, dx_present))
             return sums, tokens, dx_arrays
 
-        sums, _, dx_arrays = self._loop(num_micro - 1, body, (sums, tokens, dx_arrays),
-                                        "backward_loop")
+        invariants = (tf.nest.map_structure(lambda _: tf.TensorShape(None), sums),
+                      tf.nest.map_structure(lambda _: None, tokens),
+                      [None] * len(dx_arrays))
+        sums, _, dx_arrays = self._loop(num_micro, body, (sums, tokens, dx_arrays),
+                                        "backward_loop", invariants)
         input_grads = None
         if need_input_grads:
             with self._cell_scope(0):
@@ -409,3 +428,9 @@ class LoopExecutor(Executor):
             with self._cell_scope(k):
                 grad_sums.append(unpack_gradients(sums[k], packed[k], sources[k]))
         return TrainResult(outputs=run.outputs, grad_sums=grad_sums, input_grads=input_grads)
+
+
+def _sum_dtypes(sources: Sequence[Any], packed: tuple[int, ...]) -> list[tf.DType]:
+    """The dtypes of a cell's gradient sums: the packed vector's, then each other leaf's."""
+    rest = [v.dtype for i, v in enumerate(sources) if i not in packed]
+    return ([sources[packed[0]].dtype] if packed else []) + rest
