@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lingvo_lite.pipeline import schedule, simulator  # noqa: E402
 
 BACKWARD_RATIO = 2.0
-TOLERANCE = 0.15  # Issue 16: within 15% of the measured step.
+TOLERANCE = 0.15  # Issue 16: within 15% of the measured step,
+ISSUE_MICRO_BATCHES = (1, 4, 8)  # at these T.
 
 
 def cell_shares(partition_report: str) -> list[float]:
@@ -40,8 +41,10 @@ def predicted_step(work: float, shares: list[float], num_micro_batches: int,
     return simulator.simulate(sched, costs, remat=remat).step_time
 
 
-def render(serial: dict, partition_report: str) -> tuple[list[str], tuple[float, bool] | None]:
-    """Section lines, and (worst relative error, within tolerance) for the targets table."""
+def render(serial: dict, partition_report: str
+           ) -> tuple[list[str], tuple[float, float, bool] | None]:
+    """Section lines, and (worst relative error at the issue's T, worst at every T, the former
+    within tolerance) for the targets table."""
     lines = ["## 1b. Time model: the schedule simulator vs the measured step (serial devices)",
              "", __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), ""]
     times = {k: v["median_s"] for k, v in serial.get("times", {}).items()}
@@ -54,7 +57,7 @@ def render(serial: dict, partition_report: str) -> tuple[list[str], tuple[float,
               "| T | W(T), K=1 | " + " | ".join(f"{p}: predicted / measured / error"
                                                 for p in policies) + " |",
               "|---|---|" + "---|" * len(policies)]
-    worst = 0.0
+    worst = worst_issue = 0.0
     for t in ts:
         work = times[f"work_never_K1_T{t}"]
         row = [f"| {t} | {work * 1e3:.0f} ms"]
@@ -66,8 +69,13 @@ def render(serial: dict, partition_report: str) -> tuple[list[str], tuple[float,
             predicted = predicted_step(work, shares, t, p)
             error = predicted / measured - 1.0
             worst = max(worst, abs(error))
+            if t in ISSUE_MICRO_BATCHES:
+                worst_issue = max(worst_issue, abs(error))
             row.append(f"{predicted * 1e3:.0f} ms / {measured * 1e3:.0f} ms / {error:+.1%}")
         lines.append(" | ".join(row) + " |")
-    lines += ["", f"Worst error {worst:.1%} (target: within {TOLERANCE:.0%}). K=4 cannot be "
-              "measured on serial devices here: 2 cores run at most 2 devices at once.", ""]
-    return lines, (worst, worst <= TOLERANCE)
+    issue_ts = ", ".join(str(t) for t in ISSUE_MICRO_BATCHES)
+    lines += ["", f"Worst error at T in {{{issue_ts}}} (issue 16's T): {worst_issue:.1%}; at "
+              f"every T measured: {worst:.1%} (target: within {TOLERANCE:.0%}). Only GPipe's "
+              "schedule and the Transformer are predicted here; K=4 cannot be measured on serial "
+              "devices here: 2 cores run at most 2 devices at once.", ""]
+    return lines, (worst_issue, worst, worst_issue <= TOLERANCE)
