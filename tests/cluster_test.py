@@ -46,11 +46,16 @@ CLIENT = textwrap.dedent("""
     assert [d.split("/device")[0] for d in devices] == [
         "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"], devices
     batch = pt.make_batch()
-    loss, grads = pt.pipeline_loss_and_grads(pipe, batch, 3)
-    ref_loss, ref_grads = pt.reference_loss_and_grads(pipe, batch, 3)
-    err = max(float(np.max(np.abs(a - b) / (np.abs(a) + 1e-3)))
-              for a, b in zip(ref_grads, grads))
-    print("RESULT", float(loss), float(ref_loss), err, flush=True)
+    # The unrolled executor, then the micro-batch loop (whose while loops then span the two
+    # worker processes).
+    loop = pt.make_pipeline(pt.mlp_layers(), num_cells=2, num_micro_batches=4,
+                            placement="cluster", remat="always", micro_batch_loop=True)
+    for label, p in (("RESULT", pipe), ("RESULT_LOOP", loop)):
+        loss, grads = pt.pipeline_loss_and_grads(p, batch, 3)
+        ref_loss, ref_grads = pt.reference_loss_and_grads(p, batch, 3)
+        err = max(float(np.max(np.abs(a - b) / (np.abs(a) + 1e-3)))
+                  for a, b in zip(ref_grads, grads))
+        print(label, float(loss), float(ref_loss), err, flush=True)
 """)
 
 
@@ -79,10 +84,12 @@ class ClusterPlacementTest(tf.test.TestCase):
             proc = subprocess.run([sys.executable, "-c", CLIENT, addresses, ROOT],
                                   capture_output=True, text=True, timeout=240, env=env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-            self.assertTrue(lines, msg=proc.stderr[-3000:])
-            loss, ref_loss, rel_err = map(float, lines[0].split()[1:])
-            self.assertAllClose(ref_loss, loss, rtol=2e-5)
-            self.assertLess(rel_err, 1e-4)
+            self.assertEqual(["RESULT", "RESULT_LOOP"], [line.split()[0] for line in lines],
+                             msg=proc.stderr[-3000:])
+            for line in lines:
+                loss, ref_loss, rel_err = map(float, line.split()[1:])
+                self.assertAllClose(ref_loss, loss, rtol=2e-5)
+                self.assertLess(rel_err, 1e-4)
         finally:
             for w in workers:
                 w.kill()
