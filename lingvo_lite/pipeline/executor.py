@@ -144,7 +144,7 @@ class Executor:
                 x = self._cells[k].prepare(boundary.pop((k, t)))
                 y, offsets[(k + 1, t)], reports = self._cells[k].forward(
                     thetas[k], x, offsets.pop((k, t)), seeds[k])
-            _report(reports)
+            report_statistics(reports)
             if k == self.num_cells - 1:
                 outputs[t] = y
             else:
@@ -242,7 +242,7 @@ class Executor:
                 f"its layer '{getattr(layer, 'path', layer)}' computes statistics per "
                 "micro-batch (e.g. batch norm), which would change; use "
                 "weight_gradients='per_micro_batch'.")
-        _report(reports)
+        report_statistics(reports)
         state.last_ops[device] = [v for v in flatten(y) if v is not None]
         if k == self.num_cells - 1:
             state.outputs[t] = y
@@ -402,7 +402,7 @@ def _concatenate(values: list[Any], batch_dim: int, cell: int, what: str,
     return pack(values[0], out)
 
 
-def _report(reports: list[tuple[Any, Any]]) -> None:
+def report_statistics(reports: list[tuple[Any, Any]]) -> None:
     """Hands statistics that layers reported inside a cell function to the caller's collector."""
     collector = fprop_context.current().updates
     if collector is None:
@@ -411,4 +411,4 @@ def _report(reports: list[tuple[Any, Any]]) -> None:
         collector.add(layer, stats)
 
 
-__all__ = ["Executor", "StepState", "TrainResult"]
+__all__ = ["Executor", "StepState", "TrainResult", "report_statistics"]

@@ -60,7 +60,7 @@ from lingvo_lite.pipeline.cell_functions import (
     pack,
     unpack_gradients,
 )
-from lingvo_lite.pipeline.executor import Executor, Key, TrainResult, _report
+from lingvo_lite.pipeline.executor import Executor, Key, TrainResult, report_statistics
 from lingvo_lite.pipeline.schedule import Schedule
 
 __all__ = ["LoopExecutor", "check_loop_supported"]
@@ -145,7 +145,8 @@ def _device_of_input(op: tf.Operation) -> str:
 
 
 class _MicroBatches:
-    """The pipeline input's T micro-batches, readable by a (loop) index."""
+    """The pipeline input's T micro-batches, readable by a loop's index (build it on the first
+    cell's device: it holds a copy of the input)."""
 
     def __init__(self, xs: Sequence[Any]) -> None:
         self._xs = list(xs)
@@ -155,9 +156,7 @@ class _MicroBatches:
                          else tf.stack([f[i] for f in flat])
                          for i, first in enumerate(flat[0])]
 
-    def read(self, t: Any) -> Any:
-        if isinstance(t, int):
-            return self._xs[t]
+    def read(self, t: tf.Tensor) -> Any:
         shared = flatten(self._xs[0])
         return pack(self._xs[0], [v if s is None else tf.gather(s, t)
                                   for v, s in zip(shared, self._stacked)])
@@ -169,7 +168,7 @@ class _ForwardRun:
 
     outputs: list[Any]  # The last cell's output, by micro-batch.
     micro_batches: _MicroBatches  # Cell 0's inputs.
-    first_inputs: list[CallInput]  # Every cell's input as specs (structure and dtypes).
+    input_like: list[CallInput]  # Every cell's input as specs (structure and dtypes).
     arrays: list[list[tf.TensorArray]]  # Cell k >= 1: its input's present leaves, by t.
     present: list[tuple[bool, ...]]  # Cell k >= 1: which leaves of its input are tensors.
 
@@ -266,7 +265,8 @@ class LoopExecutor(Executor):
         backward). Statistics the layers reported go to the collector in micro-batch order,
         as the unrolled executor hands them on."""
         num_micro, last = len(xs), self.num_cells - 1
-        micro_batches = _MicroBatches(xs)
+        with self._cell_scope(0):
+            micro_batches = _MicroBatches(xs)
         input_like, y_like, reports_like = self._specs(thetas, xs[0], seeds)
         y_present = _present(flatten(y_like))
 
@@ -312,7 +312,7 @@ class LoopExecutor(Executor):
         for t in range(num_micro):
             reported = iter(leaf[t] for leaf in per_leaf[num_y:])
             for cell_reports in reports_like:
-                _report([(layer, tf.nest.pack_sequence_as(
+                report_statistics([(layer, tf.nest.pack_sequence_as(
                     s, [next(reported) for _ in tf.nest.flatten(s)]))
                     for layer, s in cell_reports])
         return _ForwardRun(outputs, micro_batches, input_like, in_arrays, present)
@@ -332,9 +332,9 @@ class LoopExecutor(Executor):
         """Cell k's prepared input of micro-batch t (build it in the cell's scope)."""
         if k == 0:
             return self._cells[0].prepare(run.micro_batches.read(t))
-        first = run.first_inputs[k]
+        like = run.input_like[k]
         leaves = _with_nones([a.read(t) for a in run.arrays[k - 1]], run.present[k - 1])
-        return CallInput(first.like, tuple(leaves), first.was_int32)
+        return CallInput(like.like, tuple(leaves), like.was_int32)
 
     def _backward_chain(self, run: _ForwardRun, thetas: Sequence[NestedMap], t: tf.Tensor,
                         dy: Any, sums: list[list[Any]], packed: list[tuple[int, ...]],
@@ -397,7 +397,7 @@ class LoopExecutor(Executor):
             with self._cell_scope(k), self._bookkeeping_scope(k):
                 sums.append([tf.zeros([], dtype) for dtype in _sum_dtypes(sources[k], packed[k])])
                 tokens.append([] if sums[k] else [tf.constant(0, tf.int64)])
-        dx_like = run.first_inputs[0].leaves if need_input_grads else ()
+        dx_like = run.input_like[0].leaves if need_input_grads else ()
         dx_present = tuple(v is not None and v.dtype.is_floating for v in dx_like)
         with self._cell_scope(0):
             dx_arrays = _arrays(_tensors(dx_like, dx_present), num_micro)
