@@ -187,9 +187,16 @@ class LoopConfigTest(tf.test.TestCase):
             with self.assertRaisesRegex(ValueError, f"micro_batch_loop.*{pattern}"):
                 make_pipeline(mlp_layers(), 2, 4, remat_mode, micro_batch_loop=True, **kw)
 
-    def test_default_is_unrolled(self):
-        p = pipelining_layer.PipeliningLayer.Params()
+    def test_default_is_unrolled_and_the_model_analysis_says_which(self):
+        from lingvo_lite.training import analysis
+
+        p = pipelining_layer.PipeliningLayer.Params().Set(
+            layers=mlp_layers(), num_cells=2, num_micro_batches=4, remat="always",
+            partition_method="uniform")
         self.assertFalse(p.micro_batch_loop)
+        self.assertNotIn("while_loop", analysis.describe_pipeline("network", p)[0])
+        text = analysis.describe_pipeline("network", p.Copy().Set(micro_batch_loop=True))[0]
+        self.assertIn("schedule=gpipe (micro-batches in a tf.while_loop)", text)
 
 
 if __name__ == "__main__":

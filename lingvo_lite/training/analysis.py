@@ -71,7 +71,8 @@ def describe_pipeline(path: str, p: hyperparams.Params,
         f"PipeliningLayer '{path}': {len(p.layers)} layers, num_cells={p.num_cells}, "
         f"num_micro_batches={p.num_micro_batches}, micro_batch_size={p.micro_batch_size}, "
         f"partition={p.partition_method} by {p.partition_cost}, remat={p.remat}, "
-        f"schedule={p.schedule}",
+        f"schedule={p.schedule}"
+        + (" (micro-batches in a tf.while_loop)" if p.micro_batch_loop else ""),
         f"input_shapes: {format_shapes(p.input_shapes) if p.input_shapes is not None else None}",
     ]
     counts = {"num_params": 0, "non_trainable_params": 0, "training_only_params": 0}
