@@ -11,7 +11,10 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   emits no per-op profiler events): the measured mean idle fraction of the devices during the
   pipelined phase stands next to the schedule's theoretical bubble (its unit-time timeline's
   idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's W
-  re-runs the cell's forward.
+  re-runs the cell's forward. Every row also shows the time model's step (issue 16,
+  `time_model.predicted_from_phase_costs`): the schedule simulated with each action's duration
+  measured alone (every cell's forward, backward, input-only and weight-gradient calls at the
+  micro-batch size, on its serial device) plus the optimizer's update.
 - `weight_heavy`: 4 dense 2048x2048 layers on a batch of 64, gpipe with per-micro-batch vs batched
   weight gradients, against naive model parallelism, on serial devices and on the shared pool.
 
@@ -33,6 +36,7 @@ sys.path.insert(0, HERE)
 import bench_lib  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+REMAT = "except_last"
 
 
 def _idle_per_device(events, virtual_stages: int, num_devices: int) -> float:
@@ -50,16 +54,89 @@ def _profile(fn, batch, virtual_stages: int, num_devices: int, steps: int = 3) -
         for events in bench_lib.profiled_steps(fn, batch, steps)[0])
 
 
+PHASES = ("forward", "bprop", "input_only", "wgrad")
+
+
+def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
+    """Each cell's calls as traced functions of their own, to be timed alone on the cell's
+    serial device at the micro-batch size of T: `{phase}_{k}` for every phase of PHASES and
+    cell k, and `update`.
+
+    Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
+    re-run, input and weight gradients added to sums), `input_only` (the same without weight
+    gradients: B of a split backward) and `wgrad` (forward re-run and weight gradients: W);
+    `update`: momentum SGD on all the weights. Boundary inputs come from an eager forward of
+    the cells before. Each is one call, so its dispatch cost counts as in the pipeline.
+    """
+    import tensorflow as tf
+
+    from lingvo_lite import fprop_context
+    from lingvo_lite.pipeline import cell_functions, micro_batch
+
+    run = pipe._executor(0)  # noqa: SLF001 (a benchmark reaching into the layer's parts)
+    thetas = pipe._cell_thetas(pipe.theta)  # noqa: SLF001
+    x = micro_batch.split(batch, num_micro_batches)[0]
+    offset = tf.constant(0, tf.int64)
+    calls = {}
+
+    def scalar(values) -> tf.Tensor:
+        return tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values
+                         if v is not None])
+
+    def make(kind, k, cell, prepared, dy, sums, seed):
+        @tf.function(autograph=False)
+        def fn(_):
+            with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0), \
+                    pipe._cell_scope(k):  # noqa: SLF001
+                if kind == "forward":
+                    out, _, _ = cell.forward(thetas[k], prepared, offset, seed)
+                    return scalar(cell_functions.flatten(out))
+                dx, new = cell.backward(
+                    thetas[k], prepared, dy, sums, offset, seed,
+                    need_dx=kind != "wgrad", need_weight_grads=kind != "input_only",
+                    family="wgrad" if kind == "wgrad" else "bprop")
+                return scalar(list(dx) + list(new))
+        return fn
+
+    with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0):
+        seeds = run._step_seeds()  # noqa: SLF001
+        for k, cell in enumerate(run._cells):  # noqa: SLF001
+            with pipe._cell_scope(k):  # noqa: SLF001
+                prepared = cell.prepare(x)
+                y, _, _ = cell.forward(thetas[k], prepared, offset, seeds[k])
+                dy = y.Transform(lambda v: None if v is None or v.shape.rank == 0
+                                 else tf.ones_like(v) if v.dtype.is_floating else None)
+                if "loss" in y:
+                    dy.loss = tf.constant(1.0 / num_micro_batches)
+                sums = [tf.zeros_like(v) for v in thetas[k].Flatten()
+                        if cell_functions.is_trainable(v)]
+            for kind in PHASES:
+                calls[f"{kind}_{k}"] = make(kind, k, cell, prepared, dy, sums, seeds[k])
+            x = y
+    variables = [v for v in pipe.vars.Flatten() if v.trainable]
+    slots = [tf.Variable(tf.zeros_like(v)) for v in variables]
+
+    @tf.function(autograph=False)
+    def update(_):
+        bench_lib._apply(variables, slots, [tf.zeros_like(v) for v in variables],  # noqa: SLF001
+                         1e-3, 0.9)
+        return tf.constant(0.0)
+
+    calls["update"] = update
+    return calls
+
+
 def fig_speedup(args: argparse.Namespace) -> dict:
     from lingvo_lite.pipeline import schedule
 
     k = args.devices
     layers, shapes, make_batch = bench_lib.model(args.model, args.quick)
     batch = make_batch()
-    remat = "except_last"
+    remat = REMAT
     steps, meta = {}, {}
     naive = bench_lib.make_pipeline(layers, shapes, k, 1, remat, serial_devices=True)
     steps["naive"] = (bench_lib.pipeline_train_step(naive)[0], batch)
+    meta["naive"] = dict(schedule="gpipe", T=1, v=1)
     for t in args.micro_batches:
         for name, v in SCHEDULES:
             if name == "interleaved" and (t % k or len(layers) < k * v):
@@ -70,10 +147,29 @@ def fig_speedup(args: argparse.Namespace) -> dict:
             steps[key] = (bench_lib.pipeline_train_step(pipe)[0], batch)
             meta[key] = dict(schedule=name, T=t, v=v, theory=schedule.make_schedule(
                 name, k * v, t, v).bubble_fraction())
+    # The time model's inputs, timed in the same interleaved rounds as the steps: the cells of
+    # each partition (K x v cells) alone at each micro-batch size; schedules with the same
+    # cells share them.
+    groups = sorted({(k * m["v"], m["T"]) for m in meta.values()})
+    for cells, t in groups:
+        pipe = bench_lib.make_pipeline(layers, shapes, cells, t, remat, serial_devices=True)
+        for name, fn in _phase_calls(pipe, batch, t).items():
+            steps[f"phase_K{cells}_T{t}_{name}"] = (fn, batch)
     samples = bench_lib.interleaved(steps, args.rounds, args.iters)
+    for m in meta.values():
+        cells, prefix = k * m["v"], f"phase_K{k * m['v']}_T{m['T']}_"
+
+        def cost(name: str, prefix: str = prefix) -> float:
+            return bench_lib.median(samples[prefix + name])
+
+        m["phase_costs"] = {kind: [cost(f"{kind}_{c}") for c in range(cells)]
+                            for kind in PHASES}
+        m["phase_costs"]["update"] = cost("update")
     # TensorFlow's single-threaded executor (serial devices) emits no per-op profiler events,
     # so the idle time is measured on the shared-pool variant of each configuration.
     for key, m in meta.items():
+        if key == "naive":
+            continue
         pipe = bench_lib.make_pipeline(layers, shapes, k * m["v"], m["T"], remat,
                                        schedule=m["schedule"], virtual_stages=m["v"])
         fn = bench_lib.pipeline_train_step(pipe)[0]
@@ -114,17 +210,56 @@ def _run_worker(figure: str, args: argparse.Namespace, **extra) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _predicted(result: dict, key: str) -> float | None:
+    """The time model's step for configuration `key`, from its cells' measured call times."""
+    import time_model
+
+    m = result["meta"].get(key)
+    if not m or "phase_costs" not in m:
+        return None
+    return time_model.predicted_from_phase_costs(m["phase_costs"], m["schedule"], m["T"],
+                                                 m["v"], REMAT)
+
+
 def _speedup_table(result: dict) -> list[str]:
+    """The speedup table, with the time model's prediction (issue 16) for every row."""
     naive = result["median_s"]["naive"]
+
+    def model_columns(key: str, step: float) -> str:
+        predicted = _predicted(result, key)
+        if predicted is None:
+            return "| |"
+        return f"| {predicted * 1e3:.0f} ms | {predicted / step - 1:+.1%} |"
+
     lines = [f"### {result['model']} (K={result['devices']} devices, serial)", "",
              "| schedule | T | median step | speedup vs naive MP | measured mean idle "
-             "(shared pool) | theoretical bubble |", "|---|---|---|---|---|---|",
-             f"| naive MP (gpipe, T=1) | 1 | {naive * 1e3:.0f} ms | 1.00x | | |"]
+             "(shared pool) | theoretical bubble | time model | its error |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| naive MP (gpipe, T=1) | 1 | {naive * 1e3:.0f} ms | 1.00x | | "
+             + model_columns("naive", naive)]
+    errors = {}
+    predicted_naive = _predicted(result, "naive")
+    if predicted_naive is not None:
+        errors[("naive MP", 1)] = predicted_naive / naive - 1
     for key, m in result["meta"].items():
+        if key == "naive":
+            continue
         step = result["median_s"][key]
         name = m["schedule"] + (f" (v={m['v']})" if m["v"] > 1 else "")
         lines.append(f"| {name} | {m['T']} | {step * 1e3:.0f} ms | {naive / step:.2f}x | "
-                     f"{100 * m['idle']:.0f}% | {100 * m['theory']:.0f}% |")
+                     f"{100 * m['idle']:.0f}% | {100 * m['theory']:.0f}% "
+                     + model_columns(key, step))
+        predicted = _predicted(result, key)
+        if predicted is not None:
+            errors[(m["schedule"], m["T"])] = predicted / step - 1
+    if errors:
+        worst = max(errors.items(), key=lambda kv: abs(kv[1]))
+        issue_ts = sorted({t for _, t in errors} & {1, 4, 8})
+        at_issue_t = [abs(e) for (_, t), e in errors.items() if t in issue_ts]
+        lines += ["", f"Time model: worst error {worst[1]:+.1%} ({worst[0][0]}, T={worst[0][1]})"
+                  + (f"; worst at T in {{{', '.join(map(str, issue_ts))}}} (issue 16's T): "
+                     f"{max(at_issue_t):.1%}" if at_issue_t else "")
+                  + " (issue 16: within 15%)."]
     return lines
 
 

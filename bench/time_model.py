@@ -14,7 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from lingvo_lite.pipeline import remat as remat_lib  # noqa: E402
 from lingvo_lite.pipeline import schedule, simulator  # noqa: E402
+from lingvo_lite.pipeline.schedule import Action, Phase  # noqa: E402
 
 BACKWARD_RATIO = 2.0
 TOLERANCE = 0.15  # Issue 16: within 15% of the measured step,
@@ -39,6 +41,34 @@ def predicted_step(work: float, shares: list[float], num_micro_batches: int,
     costs = simulator.PhaseCosts(tuple(forward), tuple(BACKWARD_RATIO * f for f in forward))
     sched = schedule.make_schedule("gpipe", len(shares), num_micro_batches)
     return simulator.simulate(sched, costs, remat=remat).step_time
+
+
+def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batches: int,
+                               virtual_stages: int, remat: str) -> float:
+    """A schedule's step simulated from each cell's calls timed alone (see
+    `schedules._phase_costs`), what this implementation runs per action: F is the forward
+    call; a whole backward B is the backward call, less the forward where the micro-batch kept
+    its activations; a split backward's B is the input-gradient call (nothing on cell 0, whose
+    input needs no gradient) and W the weight-gradient call, which re-runs the forward. The
+    optimizer's update follows the last action."""
+    sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
+                                   virtual_stages)
+    recomputed = remat_lib.recomputed_actions(sched, remat)
+    forward = costs["forward"]
+
+    def duration(a: Action) -> float:
+        k = a.cell
+        if a.phase is Phase.FORWARD:
+            return forward[k]
+        if a.phase is Phase.WEIGHT:
+            return costs["wgrad"][k]
+        if sched.splits_backward and k == 0:
+            return 0.0
+        call = costs["input_only" if sched.splits_backward else "bprop"][k]
+        return call if a in recomputed else max(0.0, call - forward[k])
+
+    return simulator.simulate(sched, duration, remat=remat,
+                              update_time=costs["update"]).step_time
 
 
 def render(serial: dict, partition_report: str
