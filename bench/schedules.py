@@ -65,8 +65,8 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
     re-run, input and weight gradients added to sums), `input_only` (the same without weight
     gradients: B of a split backward) and `wgrad` (forward re-run and weight gradients: W);
-    `update`: momentum SGD on all the weights. Boundary inputs come from an eager forward of
-    the cells before. Each is one call, so its dispatch cost counts as in the pipeline.
+    `update`: momentum SGD on all the weights. Boundary inputs come from the layers of the
+    cells before, run eagerly. Each is one call, so its dispatch cost counts as in the pipeline.
     """
     import tensorflow as tf
 
@@ -103,7 +103,9 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
         for k, cell in enumerate(run._cells):  # noqa: SLF001
             with pipe._cell_scope(k):  # noqa: SLF001
                 prepared = cell.prepare(x)
-                y, _, _ = cell.forward(thetas[k], prepared, offset, seeds[k])
+                # The cell's layers run eagerly (calling the serial-device function eagerly
+                # with an input from another device can deadlock, see cell_functions).
+                y = pipe._chain_cell(thetas[k], k, x)  # noqa: SLF001
                 dy = y.Transform(lambda v: None if v is None or v.shape.rank == 0
                                  else tf.ones_like(v) if v.dtype.is_floating else None)
                 if "loss" in y:
