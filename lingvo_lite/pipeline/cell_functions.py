@@ -283,14 +283,8 @@ class CellFunctions:
         blocks) and 29% (AmoebaNet cells) higher with the forward as a call (BENCHMARKS.md,
         section 9).
         """
-        ctx = _Context.current(fprop_context.current().updates is not None)
-        key = (ctx, inline or not self._traced)
-        if key not in self._forward:
-            self._forward[key] = _TracedOnce(
-                lambda *a: self._forward_body(ctx, key[1], *a), self._name(op_names.FPROP),
-                self._traced and not inline)
         args = self._arguments(theta, x, example_offset, step_seed)
-        flat, (y_like, reports) = self._call(self._forward[key], *args)
+        flat, (y_like, reports) = self._call(self._forward_function(inline), *args)
         num_y = len(flatten(y_like))
         y = pack(y_like, flat[:num_y])
         offset = flat[num_y]
@@ -309,15 +303,20 @@ class CellFunctions:
         """
         if not self._traced:
             raise ValueError("forward_output_specs needs traced cell functions.")
-        ctx = _Context.current(fprop_context.current().updates is not None)
-        key = (ctx, False)
-        if key not in self._forward:
-            self._forward[key] = _TracedOnce(
-                lambda *a: self._forward_body(ctx, False, *a), self._name(op_names.FPROP), True)
         args = self._arguments(theta, x, tf.TensorSpec([], tf.int64), step_seed)
-        _, (y_like, reports) = self._forward[key].trace(*args)
+        _, (y_like, reports) = self._forward_function(inline=False).trace(*args)
         return (_specs(y_like),
                 [(layer, tf.nest.map_structure(_spec_of, s)) for layer, s in reports])
+
+    def _forward_function(self, inline: bool) -> _TracedOnce:
+        """The forward for the current context (traced, unless inline or untraced)."""
+        ctx = _Context.current(fprop_context.current().updates is not None)
+        key = (ctx, inline or not self._traced)
+        if key not in self._forward:
+            self._forward[key] = _TracedOnce(
+                lambda *a: self._forward_body(ctx, key[1], *a), self._name(op_names.FPROP),
+                not key[1])
+        return self._forward[key]
 
     def _arguments(self, theta: NestedMap, x: CallInput, example_offset: tf.Tensor,
                    step_seed: CallInput) -> list[Any]:
