@@ -18,6 +18,7 @@ A layer with children declares them once, from its Params, in the classmethod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -269,13 +270,17 @@ class BaseLayer(tf.Module):
 
         `devices[i]`, when given, is the device child i's variables are created on;
         alternatively `scopes[i]()` is the context they are created in (e.g. a
-        TPUStrategy's logical device).
+        TPUStrategy's logical device). Otherwise (or where devices[i] is None) the children
+        are created where this layer is: under the caller's device scope.
         """
         self._check_new_name(name)
         if devices is not None and scopes is not None:
             raise ValueError(f"{self.path}: CreateChildren takes devices or scopes, not both.")
         if scopes is None:
-            scopes = [lambda d=d: tf.device(d) for d in devices or [None] * len(params_list)]
+            # Not tf.device(None): that clears the enclosing device scope, which put the
+            # nested children of a pipeline cell on the default device.
+            scopes = [(lambda d=d: tf.device(d)) if d is not None else contextlib.nullcontext
+                      for d in devices or [None] * len(params_list)]
         children = []
         for i, (p, scope) in enumerate(zip(params_list, scopes)):
             with scope():

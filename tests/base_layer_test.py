@@ -69,6 +69,28 @@ class DeclareChildrenTest(tf.test.TestCase):
         # theta mirrors the declaration: a list for the list child.
         self.assertLen(layer.theta.hidden, 2)
 
+    def test_children_are_created_under_the_callers_device(self):
+        # A pipeline creates each cell's layers under its device: list children too (a
+        # tf.device(None) per child had put them on the default device).
+        with tf.device("/device:CPU:1"):
+            layer = _params().Instantiate()
+        devices = {v.name: v.device for v in layer.vars.Flatten()}
+        self.assertLen(devices, 6)
+        for name, device in devices.items():
+            self.assertEndsWith(device, "CPU:1", msg=name)
+
+    def test_create_children_devices_place_each_child(self):
+        class Pair(base_layer.BaseLayer):
+            def __init__(self, params):
+                super().__init__(params)
+                child = dense.ProjectionLayer.Params().Set(input_dim=2, output_dim=2)
+                self.CreateChildren("proj", [child, child], devices=["/device:CPU:2", None])
+
+        with tf.device("/device:CPU:1"):
+            layer = Pair.Params().Set(name="pair").Instantiate()
+        self.assertEndsWith(layer.proj[0].vars.w.device, "CPU:2")
+        self.assertEndsWith(layer.proj[1].vars.w.device, "CPU:1")  # None: the caller's.
+
     def test_fprop_matches_numpy(self):
         layer = _params().Instantiate()
         x = np.random.RandomState(0).randn(6, 3).astype(np.float32)

@@ -13,6 +13,19 @@ from lingvo_lite.pipeline import layer_profile, pipelining_layer, placement
 
 class PlacementTest(tf.test.TestCase):
 
+    def test_nested_layers_variables_are_on_their_cells_device(self):
+        # AmoebaNet's cells hold lists of children (their operations); those were once
+        # created on the default device, so cell 1 read most of its weights from device 0.
+        from model_params import image
+
+        network = image.AmoebaNetDigits().Task().network.Copy().Set(name="pipe", num_cells=3)
+        pipe = network.Instantiate()
+        for k in range(3):
+            variables = pipe.cell_variables(k)
+            self.assertNotEmpty(variables)
+            for v in variables:
+                self.assertEndsWith(v.device, f"CPU:{k}", msg=v.name)
+
     def test_every_cell_op_and_variable_is_on_its_device(self):
         num_cells = 4
         pipe = make_pipeline(mlp_layers(), num_cells=num_cells, num_micro_batches=2)
