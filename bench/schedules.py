@@ -54,7 +54,7 @@ def _profile(fn, batch, virtual_stages: int, num_devices: int, steps: int = 3) -
         for events in bench_lib.profiled_steps(fn, batch, steps)[0])
 
 
-PHASES = ("forward", "bprop", "input_only", "wgrad")
+PHASES = ("forward", "bprop", "input_only", "wgrad", "kept", "kept_input_only")
 
 
 def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
@@ -64,16 +64,21 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
 
     Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
     re-run, input and weight gradients added to sums), `input_only` (the same without weight
-    gradients: B of a split backward) and `wgrad` (forward re-run and weight gradients: W);
-    `update`: momentum SGD on all the weights. Boundary inputs come from the layers of the
-    cells before, run eagerly. Each is one call, so its dispatch cost counts as in the pipeline.
+    gradients: B of a split backward), `wgrad` (forward re-run and weight gradients: W),
+    `kept` (F and B of a micro-batch that keeps its activations, as the executor runs them: the
+    forward under a tape, its gradient, the weight gradients added to sums) and
+    `kept_input_only` (the same, input gradient only); `update`: momentum SGD on all the
+    weights. The kept pair is timed as one: alone, a forward under a tape whose gradient is
+    never taken measured as fast as the plain forward. Boundary inputs come from the layers of
+    the cells before, run eagerly. Each is one call, so its dispatch cost counts as in the pipeline.
     """
     import tensorflow as tf
 
     from lingvo_lite import fprop_context
-    from lingvo_lite.pipeline import cell_functions, micro_batch
+    from lingvo_lite.pipeline import cell_functions, micro_batch, tf_private
 
     run = pipe._executor(0)  # noqa: SLF001 (a benchmark reaching into the layer's parts)
+    serial = run._serial  # noqa: SLF001
     thetas = pipe._cell_thetas(pipe.theta)  # noqa: SLF001
     x = micro_batch.split(batch, num_micro_batches)[0]
     offset = tf.constant(0, tf.int64)
@@ -91,12 +96,36 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
                 if kind == "forward":
                     out, _, _ = cell.forward(thetas[k], prepared, offset, seed)
                     return scalar(cell_functions.flatten(out))
+                if kind.startswith("kept"):
+                    return scalar(kept(kind, k, cell, prepared, dy, sums, seed))
                 dx, new = cell.backward(
                     thetas[k], prepared, dy, sums, offset, seed,
                     need_dx=kind != "wgrad", need_weight_grads=kind != "input_only",
                     family="wgrad" if kind == "wgrad" else "bprop")
                 return scalar(list(dx) + list(new))
         return fn
+
+    def kept(kind, k, cell, prepared, dy, sums, seed) -> list:
+        # As Executor._train_forward / _train_backward run a kept micro-batch (cell 0's input
+        # needs no gradient).
+        xs = [v for v in prepared.leaves if cell_functions.is_float(v)] if k else []
+        weights = [] if kind == "kept_input_only" else [
+            v for v in thetas[k].Flatten() if cell_functions.is_trainable(v)]
+        if not xs + weights:
+            out, _, _ = cell.forward(thetas[k], prepared, offset, seed, inline=not serial)
+            return cell_functions.flatten(out)
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+            tape.watch(xs + weights)
+            out, _, _ = cell.forward(thetas[k], prepared, offset, seed, inline=not serial)
+        ys, dys = cell_functions.float_outputs_and_gradients(out, cell_functions.flatten(dy))
+        with tf_private.serial_function_calls(serial):
+            grads = tape.gradient(ys, xs + weights, output_gradients=dys,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        if weights:
+            grads[len(xs):] = cell.accumulate(sums, grads[len(xs):])
+        return grads
 
     with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0):
         seeds = run._step_seeds()  # noqa: SLF001

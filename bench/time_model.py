@@ -47,10 +47,12 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
                                virtual_stages: int, remat: str) -> float:
     """A schedule's step simulated from each cell's calls timed alone (see
     `schedules._phase_costs`), what this implementation runs per action: F is the forward
-    call; a whole backward B is the backward call, less the forward where the micro-batch kept
-    its activations; a split backward's B is the input-gradient call (nothing on cell 0, whose
-    input needs no gradient) and W the weight-gradient call, which re-runs the forward. The
-    optimizer's update follows the last action."""
+    call; a whole backward B is the backward call, or where the micro-batch kept its
+    activations, the kept pair (forward under a tape and its gradient) less the forward; a split
+    backward's B is the input-gradient call or kept pair (nothing on cell 0, whose input needs
+    no gradient) and W the weight-gradient call, which re-runs the forward. The optimizer's
+    update follows the last action. (Results recorded before the kept pair was timed predict a
+    kept B as the backward call less the forward.)"""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
     recomputed = remat_lib.recomputed_actions(sched, remat)
@@ -64,8 +66,12 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
             return costs["wgrad"][k]
         if sched.splits_backward and k == 0:
             return 0.0
-        call = costs["input_only" if sched.splits_backward else "bprop"][k]
-        return call if a in recomputed else max(0.0, call - forward[k])
+        split = sched.splits_backward
+        call = costs["input_only" if split else "bprop"][k]
+        if a in recomputed:
+            return call
+        pair = costs.get("kept_input_only" if split else "kept", [call] * len(forward))[k]
+        return max(0.0, pair - forward[k])
 
     return simulator.simulate(sched, duration, remat=remat,
                               update_time=costs["update"]).step_time
