@@ -99,7 +99,14 @@ activations were alive at once: four repeated T=1 measurements (2026-11-23) gave
 its forward on the cell's device (with the `gpipe` schedule: the last micro-batch of each
 cell) and recomputes the other T-1, so from T=2 on its activations track `always` (one
 micro-batch more per cell at most) while it saves that micro-batch's recomputation; at T=1 it
-recomputes nothing and holds what `never` holds.""",
+recomputes nothing and holds what `never` holds.
+
+The ratio depends on how many ops run at once. This figure runs with inter-op 2, so two ops of
+one logical device can run together, which an accelerator's stream does not do: measured
+2026-11-24 with `bench/remat_memory.py --num_layers=16 --num_cells=2 --num_micro_batches=8`,
+`never` / `always` was 8.4 / 2.5 MiB (3.3x) at inter-op 2 and 8.5 / 1.7 MiB (5.0x) with
+`--inter_op_threads=1` (two runs each), as section 9 measures per device. Recorded runs before
+the cells became traced-once functions gave 4.96x at inter-op 2.""",
     "fits": """\
 Method (measured, not modelled): a K=1 pipeline with remat='always' and T micro-batches holds
 exactly what one device of a balanced K-cell GPipe pipeline holds (its weights, gradients,
