@@ -13,8 +13,9 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's W
   re-runs the cell's forward. Every row also shows the time model's step (issue 16,
   `time_model.predicted_from_phase_costs`): the schedule simulated with each action's duration
-  measured alone (every cell's forward, backward, input-only and weight-gradient calls at the
-  micro-batch size, on its serial device) plus the optimizer's update.
+  measured alone (every cell's forward, backward, input-only and weight-gradient calls, and
+  the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
+  size, on its serial device) plus the optimizer's update.
 - `weight_heavy`: 4 dense 2048x2048 layers on a batch of 64, gpipe with per-micro-batch vs batched
   weight gradients, against naive model parallelism, on serial devices and on the shared pool.
 
