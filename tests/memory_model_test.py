@@ -9,6 +9,7 @@ section 9.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -86,6 +87,23 @@ def test_except_last_keeps_the_micro_batch_that_is_not_recomputed():
     mem = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800,
                                      schedule.make_schedule("gpipe", 2, 4), "except_last")[1]
     assert mem.kept_activations == 4 * 200 + 800
+
+
+def test_declared_temporaries_and_the_recomputing_call():
+    # Layer 2 declares 4,000 B of gradient temporaries, layer 3 160 B (AmoebaNet cells declare
+    # two of their largest intermediate values), instead of max(2 x output, saved / 2).
+    layers = [LAYER, LAYER, dataclasses.replace(LAYER, backward_temporary_bytes=4000),
+              dataclasses.replace(LAYER, backward_temporary_bytes=160)]
+    gpipe = schedule.make_schedule("gpipe", 2, 4)
+    # Kept (never): the inline backward frees layer by layer, so at layer 2 only its own saved
+    # activations (1600 / 4) are left beside its temporaries (4000 / 4): max(800 + 40,
+    # 400 + 1000) = 1400 over the 800 kept, plus the received output gradient (200).
+    kept = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never")[1]
+    assert kept.working_activations == 1400 - 800 + 200
+    # Re-computing (always): one call holds all it re-computed (800) until it returns, plus the
+    # largest temporaries (1000) and the received output gradient (200).
+    call = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "always")[1]
+    assert call.working_activations == 800 + 1000 + 200
 
 
 def measure(model: str, configs: list[str]) -> list[list[int]]:

@@ -21,15 +21,21 @@ is the sum of
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
   back-propagating through layer j the activations of layers up to j plus j's gradient
-  temporaries). Received boundary copies are the kept inputs of cells k > 0 and the received
-  output gradient of the running backward.
+  temporaries). A recomputing backward is one function call, which holds every activation it
+  re-computed until it returns, so its working set is all of them plus the largest layer's
+  temporaries; the inline backward of a kept micro-batch frees them layer by layer. Received
+  boundary copies are the kept inputs of cells k > 0 and the received output gradient of the
+  running backward.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
 output, the Transformer block about 20x (attention probabilities, the 4x-wide hidden layer),
-AmoebaNet cells the sum of their ops' outputs. Measured against per-device BFC peaks (one
-process per device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
-`tests/memory_model_test.py`.
+AmoebaNet cells the tensors their ops' gradients read, each once (a ReLU's output, a
+convolution's or batch norm's input, a max pool's input and output). Gradient temporaries per
+layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their largest
+intermediate values, as they back-propagate op by op), else the default below. Measured
+against per-device BFC peaks (one process per device, `bench/device_memory.py`) in
+`bench/memory_model_check.py` and `tests/memory_model_test.py`.
 
 >>> from lingvo_lite.pipeline import memory_model, partition, schedule
 >>> layers = [memory_model.LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800,
@@ -71,6 +77,16 @@ class LayerMemory:
     trainable_bytes: int  # Those that get a gradient and optimizer slots.
     out_bytes: int  # Its output (the boundary when a cell ends here).
     saved_bytes: int  # Activations it keeps from its forward for its backward.
+    # Gradient temporaries while back-propagating through it; None: the default estimate,
+    # max(GRADIENT_TEMPORARIES x out_bytes, SAVED_GRADIENT_FRACTION x saved_bytes).
+    backward_temporary_bytes: int | None = None
+
+    @property
+    def temporaries(self) -> int:
+        if self.backward_temporary_bytes is not None:
+            return self.backward_temporary_bytes
+        return int(max(GRADIENT_TEMPORARIES * self.out_bytes,
+                       SAVED_GRADIENT_FRACTION * self.saved_bytes))
 
 
 def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:
@@ -81,7 +97,8 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
         out.append(LayerMemory(param_bytes=int(m.num_params) * param_bytes_per_element,
                                trainable_bytes=trainable * param_bytes_per_element,
                                out_bytes=int(m.out_bytes),
-                               saved_bytes=base_layer.saved_activation_bytes(m)))
+                               saved_bytes=base_layer.saved_activation_bytes(m),
+                               backward_temporary_bytes=m.get("backward_temporary_bytes")))
     return out
 
 
@@ -163,11 +180,13 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         backward_work = 0.0
         below = saved
         for m in reversed(cell):
-            temporaries = max(GRADIENT_TEMPORARIES * m.out_bytes,
-                              SAVED_GRADIENT_FRACTION * m.saved_bytes) / num_micro
-            backward_work = max(backward_work, below + temporaries)
+            backward_work = max(backward_work, below + m.temporaries / num_micro)
             below -= m.saved_bytes / num_micro
         backward_work += boundary_out
+        # A re-computing backward is one call, which holds all it re-computed until it
+        # returns (the inline backward of a kept micro-batch frees layer by layer).
+        call_work = (saved + max((m.temporaries for m in cell), default=0) / num_micro
+                     + boundary_out)
         # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
         kept_input = 0.0 if k == 0 else boundary_in
         kept = 0.0
@@ -185,7 +204,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                 now = (kept, working, action)
             else:
                 # A kept micro-batch's activations are already in `kept`.
-                working = backward_work - (0.0 if action in recomputed else saved)
+                working = call_work if action in recomputed else backward_work - saved
                 now = (kept, working, action)
                 kept -= stash.pop(t)
                 in_flight -= 1

@@ -34,7 +34,6 @@ so `from tasks.image import amoebanet; amoebanet.amoebanet_layers(...)` is the e
 """
 
 from tasks.image.amoebanet.cells import (
-    CELL_SAVED_FRACTION,
     CELL_SPECS,
     AmoebaNetCell,
     CellSpec,
@@ -57,7 +56,6 @@ from tasks.image.amoebanet.operations import (
 )
 
 __all__ = [
-    "CELL_SAVED_FRACTION",
     "CELL_SPECS",
     "AmoebaNetCell",
     "AmoebaNetParams",

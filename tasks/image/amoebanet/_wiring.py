@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer
+from lingvo_lite.layers import conv, dropout, normalization, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import InstantiableParams, Params, dtype_of, num_elements
 
@@ -56,8 +57,9 @@ class TensorWiring:
 class ShapeWiring:
     """Runs a structure on shapes, costing the children declared by `declare_children(p)`.
 
-    Elementwise ops (ReLU, add) cost one flop per element; their outputs, and the
-    concatenation's, are kept for the backward (`elementwise_bytes`).
+    Elementwise ops (ReLU, add) cost one flop per element. Every value is a shape object of
+    its own, so the wiring can tell which tensors the backward reads (`saved_bytes`): what
+    TensorFlow's gradients of the ops need, each tensor once (`backward_needs`).
     """
 
     def __init__(self, layer_cls: type[base_layer.BaseLayer], p: Params) -> None:
@@ -66,7 +68,17 @@ class ShapeWiring:
         self._where = p.name or layer_cls.__name__
         self.metas: list[NestedMap] = []
         self.elementwise_flops = 0
-        self.elementwise_bytes = 0
+        self._values: list[tf.TensorShape] = []  # Holds every value, so ids stay unique.
+        self._kept: dict[int, int] = {}  # id of a value the backward reads -> its bytes.
+        self._kept_inside = 0  # Bytes the children keep of their own intermediate values.
+
+    def _value(self, shape: tf.TensorShape) -> tf.TensorShape:
+        value = tf.TensorShape(shape)
+        self._values.append(value)
+        return value
+
+    def _keep(self, value: tf.TensorShape) -> None:
+        self._kept[id(value)] = base_layer.activation_bytes(value, self._dtype)
 
     def has(self, name: str) -> bool:
         return name in self._children
@@ -75,27 +87,34 @@ class ShapeWiring:
         child = self._children[name] if index is None else self._children[name][index]
         meta = child.cls.FPropMeta(child, x)
         self.metas.append(meta)
-        return meta.out_shapes[0]
-
-    def _elementwise(self, x: tf.TensorShape, flops_per_element: int) -> tf.TensorShape:
-        self.elementwise_flops += flops_per_element * num_elements(x)
-        self.elementwise_bytes += base_layer.activation_bytes(x, self._dtype)
-        return x
+        y = self._value(meta.out_shapes[0])
+        needs_input, needs_output, inside = backward_needs(child, x, meta)
+        if needs_input:
+            self._keep(x)
+        if needs_output:
+            self._keep(y)
+        self._kept_inside += inside
+        return y
 
     def relu(self, x: tf.TensorShape) -> tf.TensorShape:
-        return self._elementwise(x, 1)
+        self.elementwise_flops += num_elements(x)
+        y = self._value(x)
+        self._keep(y)  # ReluGrad reads the output.
+        return y
 
     def add(self, a: tf.TensorShape, b: tf.TensorShape) -> tf.TensorShape:
         if a != b:
             raise ValueError(f"{self._where}: adds shapes {a} and {b}.")
-        return self._elementwise(a, 1)
+        self.elementwise_flops += num_elements(a)
+        return self._value(a)
 
     def concat(self, xs: list[tf.TensorShape]) -> tf.TensorShape:
-        out = xs[0][:-1].concatenate([sum(x[-1] for x in xs)])
-        return self._elementwise(out, 0)
+        if len(xs) == 1:
+            return xs[0]
+        return self._value(xs[0][:-1].concatenate([sum(x[-1] for x in xs)]))
 
     def shift(self, x: tf.TensorShape) -> tf.TensorShape:
-        return x  # A copy; counted as free.
+        return self._value(x)  # A pad and a slice: free, and their gradients read nothing.
 
     @property
     def flops(self) -> float:
@@ -107,12 +126,55 @@ class ShapeWiring:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes kept for the backward: the children's and the elementwise ops' outputs."""
-        return (sum(base_layer.saved_activation_bytes(m) for m in self.metas)
-                + self.elementwise_bytes)
+        """Bytes the backward reads: every value an op's gradient needs, once, and what the
+        children keep inside themselves."""
+        return sum(self._kept.values()) + self._kept_inside
+
+    def largest_value_bytes(self, *ends: tf.TensorShape) -> int:
+        """Bytes of the largest value made inside the layer (not one of `ends`)."""
+        skip = {id(v) for v in ends}
+        return max((base_layer.activation_bytes(v, self._dtype) for v in self._values
+                    if id(v) not in skip), default=0)
+
+    def saved_meta(self, inputs: tf.TensorShape, output: tf.TensorShape) -> dict[str, Any]:
+        """The FPropMeta fields of what the layer's backward keeps (see `backward_needs`)."""
+        ends = {id(v): self._kept.get(id(v), 0) for v in (inputs, output)}
+        return dict(saved_activation_bytes=self.saved_bytes,
+                    kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
+                    kept_inside_bytes=self.saved_bytes - sum(ends.values()))
 
     def extra_param_counts(self) -> dict[str, int]:
         return base_layer.extra_param_counts(self.metas)
+
+
+def backward_needs(child: InstantiableParams, x: tf.TensorShape,
+                   meta: NestedMap) -> tuple[bool, bool, int]:
+    """What the gradient of `child` reads: (its input, its output, bytes of values inside it).
+
+    From TensorFlow's gradients: a convolution (plain or depthwise) reads its input, the batch
+    norm (moments and an elementwise affine) its input, a max pool its input and output, an
+    average pool and a strided slice nothing; a separable convolution reads its input and the
+    depthwise output. AmoebaNet's own layers say so in their FPropMeta (`saved_meta`); any
+    other layer keeps its `saved_activation_bytes` estimate, counted as inside it.
+    """
+    if "kept_input" in meta:
+        return bool(meta.kept_input), bool(meta.kept_output), int(meta.kept_inside_bytes)
+    cls = child.cls
+    reads_output = getattr(child, "activation", "NONE") not in ("NONE", None)
+    if issubclass(cls, conv.SeparableConv2DLayer):
+        depthwise = cls.declare_children(child)["depthwise"]
+        inside = depthwise.cls.FPropMeta(depthwise, x).out_bytes
+        return True, reads_output, inside
+    if issubclass(cls, (conv.Conv2DLayer, conv.DepthwiseConv2DLayer,
+                        normalization.BatchNormLayer)):
+        return True, reads_output, 0
+    if issubclass(cls, pooling.PoolingLayer):
+        reads = child.pooling_type == "MAX"
+        return reads, reads, 0
+    if issubclass(cls, dropout.DropPathLayer):  # Its per-example mask, when it drops.
+        mask = x[0] * tf.as_dtype(child.fprop_dtype or child.dtype).size
+        return False, False, mask if child.keep_prob < 1.0 else 0
+    return False, False, base_layer.saved_activation_bytes(meta)
 
 
 # A step of a chain that is an elementwise ReLU rather than a child layer.

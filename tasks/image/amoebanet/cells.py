@@ -28,8 +28,7 @@ from tasks.image.amoebanet._common import (
 from tasks.image.amoebanet._wiring import ShapeWiring, TensorWiring
 from tasks.image.amoebanet.operations import AmoebaOpLayer, FactorizedReductionLayer
 
-__all__ = ["CELL_SAVED_FRACTION", "CELL_SPECS", "AmoebaNetCell", "CellSpec",
-           "scheduled_keep_prob"]
+__all__ = ["CELL_SPECS", "AmoebaNetCell", "CellSpec", "scheduled_keep_prob"]
 
 _CELL_TYPES = ("normal", "reduction")
 
@@ -73,12 +72,6 @@ CELL_SPECS: dict[str, dict[str, CellSpec]] = {
             (1, 1, 1, 1, 1, 0, 0)),
     },
 }
-
-
-# Of the bytes of all its ops' outputs, the share a cell keeps for its backward (the rest, e.g.
-# a batch norm's output that only feeds a ReLU, is freed once consumed); fitted on measured
-# per-device peaks without re-materialisation (bench/memory_model_check.py).
-CELL_SAVED_FRACTION = 0.65
 
 
 def scheduled_keep_prob(keep_prob: float, cell_index: int, total_num_cells: int) -> float:
@@ -284,8 +277,10 @@ class AmoebaNetCell(base_layer.BaseLayer):
         out = shapes.copy()
         out.x = cls._wire(p, wiring, x, prev)
         out.prev_x = x
-        # The children's saved outputs, plus the combinations' sums and the concatenation.
-        saved = int(CELL_SAVED_FRACTION * wiring.saved_bytes)
-        return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
+        # What its ops' gradients read; x and prev_x when an op reads them (a max pool).
+        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
-                                     saved_activation_bytes=saved)
+                                     saved_activation_bytes=wiring.saved_bytes)
+        # Back-propagating op by op: the gradients of one op's output and input at a time.
+        meta.backward_temporary_bytes = 2 * wiring.largest_value_bytes(out.x)
+        return meta

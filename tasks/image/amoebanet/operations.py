@@ -62,8 +62,10 @@ class SubsampleLayer(base_layer.BaseLayer):
                              f"shape, got {shape}.")
         b, h, w, c = shape.as_list()
         s = p.stride
-        return base_layer.fprop_meta(0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0,
-                                     dtype_of(p))
+        meta = base_layer.fprop_meta(0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0,
+                                     dtype_of(p), saved_activation_bytes=0)
+        meta.update(kept_input=False, kept_output=False, kept_inside_bytes=0)  # A slice.
+        return meta
 
 
 _POOL_RE = re.compile(r"^(avg|max)_pool_(\d+)x(\d+)$")
@@ -204,9 +206,12 @@ class AmoebaOpLayer(base_layer.BaseLayer):
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
         out = wire_chain(wiring, cls._steps(p), shape)
-        return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
+        saved = wiring.saved_meta(shape, out)
+        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
-                                     saved_activation_bytes=wiring.saved_bytes)
+                                     saved_activation_bytes=saved.pop("saved_activation_bytes"))
+        meta.update(saved)
+        return meta
 
 
 class FactorizedReductionLayer(base_layer.BaseLayer):
@@ -272,6 +277,9 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
         out = cls._wire(p, wiring, shape)
-        # Its outputs feed one BN: the default saved-activation estimate.
-        return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
-                                     **wiring.extra_param_counts())
+        saved = wiring.saved_meta(shape, out)
+        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
+                                     **wiring.extra_param_counts(),
+                                     saved_activation_bytes=saved.pop("saved_activation_bytes"))
+        meta.update(saved)
+        return meta
