@@ -13,9 +13,10 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's W
   re-runs the cell's forward. Every row also shows the time model's step (issue 16,
   `time_model.predicted_from_phase_costs`): the schedule simulated with each action's duration
-  measured alone (every cell's forward, backward, input-only and weight-gradient calls, and
-  the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
-  size, on its serial device) plus the optimizer's update.
+  measured on its own (every cell's forward, backward, input-only and weight-gradient calls,
+  and the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
+  size, on its serial device, chained in one step as many times as a pipeline step runs
+  them) plus the optimizer's update.
 - `weight_heavy`: 4 dense 2048x2048 layers on a batch of 64, gpipe with per-micro-batch vs batched
   weight gradients, against naive model parallelism, on serial devices and on the shared pool.
 
@@ -58,10 +59,18 @@ def _profile(fn, batch, virtual_stages: int, num_devices: int, steps: int = 3) -
 PHASES = ("forward", "bprop", "input_only", "wgrad", "kept", "kept_input_only")
 
 
+def chain_length(kind: str, num_micro_batches: int) -> int:
+    """How many calls of phase `kind` one timed step chains: as many as a pipeline step runs
+    per cell (T), or one for a kept micro-batch (with remat 'except_last', GPipe keeps one per
+    cell)."""
+    return 1 if kind.startswith("kept") else num_micro_batches
+
+
 def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
-    """Each cell's calls as traced functions of their own, to be timed alone on the cell's
-    serial device at the micro-batch size of T: `{phase}_{k}` for every phase of PHASES and
-    cell k, and `update`.
+    """Each cell's calls as traced functions of their own, to be timed on the cell's serial
+    device at the micro-batch size of T: `{phase}_{k}` for every phase of PHASES and cell k,
+    and `update`. A `{phase}_{k}` step runs `chain_length(phase, T)` calls, each after the one
+    before, on micro-batches 0, 1, ...; its time / chain_length is the phase's cost.
 
     Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
     re-run, input and weight gradients added to sums), `input_only` (the same without weight
@@ -71,10 +80,14 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     `kept_input_only` (the same, input gradient only); `update`: momentum SGD on all the
     weights. The kept pair is timed as one: alone, a forward under a tape whose gradient is
     never taken measured as fast as the plain forward. Boundary inputs come from the layers of
-    the cells before, run eagerly. Each is timed as a step of its own, so each carries a
-    top-level dispatch that calls inside the pipeline's step do not pay (AmoebaNet cells at a
-    micro-batch of 4: 0.5-1.2 ms more than per call in a chain of 4 in one step, on 3-6 ms
-    forwards), one reason the model over-predicts small cells.
+    the cells before, run eagerly.
+
+    Why chains: a call timed as a step of its own pays a top-level dispatch that the calls
+    inside a pipeline's step share (AmoebaNet cells at a micro-batch of 4: 0.5-1.2 ms on 3-6
+    ms forwards), and a call costs more when it is the first of its kind in a step: AmoebaNet
+    cell 0's kept pair, chains of 1, 2, 4: 39, 54, 64 ms. So each phase is timed as the
+    pipeline runs it; timed as 4 calls, kept pairs too, the model under-predicted the
+    Transformer's naive MP step (T=1, one kept pair per cell) by 48%.
     """
     import tensorflow as tf
 
@@ -84,7 +97,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     run = pipe._executor(0)  # noqa: SLF001 (a benchmark reaching into the layer's parts)
     serial = run._serial  # noqa: SLF001
     thetas = pipe._cell_thetas(pipe.theta)  # noqa: SLF001
-    x = micro_batch.split(batch, num_micro_batches)[0]
+    xs = micro_batch.split(batch, num_micro_batches)
     offset = tf.constant(0, tf.int64)
     calls = {}
 
@@ -92,21 +105,30 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
         return tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values
                          if v is not None])
 
-    def make(kind, k, cell, prepared, dy, sums, seed):
+    def make(kind, k, cell, prepared_inputs, dy, sums, seed):
+        length = chain_length(kind, num_micro_batches)
+
+        def call(prepared) -> list:
+            if kind == "forward":
+                out, _, _ = cell.forward(thetas[k], prepared, offset, seed)
+                return cell_functions.flatten(out)
+            if kind.startswith("kept"):
+                return kept(kind, k, cell, prepared, dy, sums, seed)
+            dx, new = cell.backward(
+                thetas[k], prepared, dy, sums, offset, seed,
+                need_dx=kind != "wgrad", need_weight_grads=kind != "input_only",
+                family="wgrad" if kind == "wgrad" else "bprop")
+            return list(dx) + list(new)
+
         @tf.function(autograph=False)
         def fn(_):
+            outs = []
             with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0), \
                     pipe._cell_scope(k):  # noqa: SLF001
-                if kind == "forward":
-                    out, _, _ = cell.forward(thetas[k], prepared, offset, seed)
-                    return scalar(cell_functions.flatten(out))
-                if kind.startswith("kept"):
-                    return scalar(kept(kind, k, cell, prepared, dy, sums, seed))
-                dx, new = cell.backward(
-                    thetas[k], prepared, dy, sums, offset, seed,
-                    need_dx=kind != "wgrad", need_weight_grads=kind != "input_only",
-                    family="wgrad" if kind == "wgrad" else "bprop")
-                return scalar(list(dx) + list(new))
+                for i in range(length):
+                    with tf.control_dependencies([v for v in outs if v is not None]):
+                        outs = call(prepared_inputs[i])
+                return scalar(outs)
         return fn
 
     def kept(kind, k, cell, prepared, dy, sums, seed) -> list:
@@ -135,10 +157,11 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
         seeds = run._step_seeds()  # noqa: SLF001
         for k, cell in enumerate(run._cells):  # noqa: SLF001
             with pipe._cell_scope(k):  # noqa: SLF001
-                prepared = cell.prepare(x)
+                prepared_inputs = [cell.prepare(x) for x in xs]
                 # The cell's layers run eagerly (calling the serial-device function eagerly
                 # with an input from another device can deadlock, see cell_functions).
-                y = pipe._chain_cell(thetas[k], k, x)  # noqa: SLF001
+                ys = [pipe._chain_cell(thetas[k], k, x) for x in xs]  # noqa: SLF001
+                y = ys[0]
                 dy = y.Transform(lambda v: None if v is None or v.shape.rank == 0
                                  else tf.ones_like(v) if v.dtype.is_floating else None)
                 if "loss" in y:
@@ -146,8 +169,8 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
                 sums = [tf.zeros_like(v) for v in thetas[k].Flatten()
                         if cell_functions.is_trainable(v)]
             for kind in PHASES:
-                calls[f"{kind}_{k}"] = make(kind, k, cell, prepared, dy, sums, seeds[k])
-            x = y
+                calls[f"{kind}_{k}"] = make(kind, k, cell, prepared_inputs, dy, sums, seeds[k])
+            xs = ys
     variables = [v for v in pipe.vars.Flatten() if v.trainable]
     slots = [tf.Variable(tf.zeros_like(v)) for v in variables]
 
@@ -197,8 +220,8 @@ def fig_speedup(args: argparse.Namespace) -> dict:
         def cost(name: str, prefix: str = prefix) -> float:
             return bench_lib.median(samples[prefix + name])
 
-        m["phase_costs"] = {kind: [cost(f"{kind}_{c}") for c in range(cells)]
-                            for kind in PHASES}
+        m["phase_costs"] = {kind: [cost(f"{kind}_{c}") / chain_length(kind, m["T"])
+                                   for c in range(cells)] for kind in PHASES}
         m["phase_costs"]["update"] = cost("update")
     # TensorFlow's single-threaded executor (serial devices) emits no per-op profiler events,
     # so the idle time is measured on the shared-pool variant of each configuration.
