@@ -30,19 +30,15 @@ TOLERANCE = 0.20  # Issue 16: within 20% of the measured peak per device.
 
 def predicted(layers, shapes, num_cells: int, num_micro_batches: int, schedule: str,
               remat: str, num_slots: int = 1) -> list[int]:
-    """The memory model's peak per device (momentum SGD: one slot)."""
-    from lingvo_lite import base_layer
-    from lingvo_lite.pipeline import memory_model, pipelining_layer
-    from lingvo_lite.pipeline import schedule as schedule_lib
+    """The memory model's peak per device (momentum SGD: one slot), as the planner predicts it
+    (receives land on the schedule's timeline simulated from the cells' FLOPs)."""
+    from lingvo_lite.pipeline import pipelining_layer
+    from lingvo_lite.training import planner
 
     p = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=layers, num_cells=num_cells, input_shapes=shapes)
-    metas = pipelining_layer.PipeliningLayer.LayerMetas(p)
-    part = pipelining_layer.PipeliningLayer.ComputePartition(p)
-    sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches)
-    mem = memory_model.device_memory(part, memory_model.layer_memory(metas),
-                                     base_layer.activation_bytes(shapes), sched, remat,
-                                     num_slots)
+    mem = planner.predict_memory(p, num_cells, 1, num_micro_batches, schedule, remat,
+                                 num_slots)
     return [m.total for m in mem]
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from lingvo_lite import optimizers
-from lingvo_lite.pipeline import memory_model, partition, schedule
+from lingvo_lite.pipeline import memory_model, partition, schedule, simulator
 from lingvo_lite.pipeline.memory_model import LayerMemory
 from lingvo_lite.training import model_config, options, planner
 
@@ -104,6 +104,26 @@ def test_declared_temporaries_and_the_recomputing_call():
     # largest temporaries (1000) and the received output gradient (200).
     call = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "always")[1]
     assert call.working_activations == 800 + 1000 + 200
+
+
+def test_receives_land_when_their_sender_ends():
+    # Forward 1, backward 2 per micro-batch, no recomputation, T = 4 (boundary 800 / 4 = 200).
+    costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
+    one_f_one_b = schedule.make_schedule("1f1b", 2, 4)
+    step = simulator.simulate(one_f_one_b, costs, remat="never")
+    # 1F1B, cell 1: F0 [1, 2], B0 [2, 4]; cell 0 sent micro-batch 1's input at 2, so at its
+    # peak (B0) cell 1 holds one input it has not started on.
+    with_timeline = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800, one_f_one_b,
+                                               "never", timeline=step)
+    without = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800, one_f_one_b, "never")
+    assert [m.received_early for m in with_timeline] == [0, 200]
+    assert with_timeline[1].total == without[1].total + 200
+    # GPipe, cell 0: its B3 [7, 9] ends after cell 1's B2 [7, 9] sent micro-batch 2's gradient.
+    gpipe = schedule.make_schedule("gpipe", 2, 4)
+    step = simulator.simulate(gpipe, costs, remat="never")
+    mem = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800, gpipe, "never",
+                                     timeline=step)
+    assert [m.received_early for m in mem] == [200, 0]
 
 
 def measure(model: str, configs: list[str]) -> list[list[int]]:

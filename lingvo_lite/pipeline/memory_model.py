@@ -25,7 +25,11 @@ is the sum of
   re-computed until it returns, so its working set is all of them plus the largest layer's
   temporaries; the inline backward of a kept micro-batch frees them layer by layer. Received
   boundary copies are the kept inputs of cells k > 0 and the received output gradient of the
-  running backward.
+  running backward;
+* received early (given the schedule's simulated `timeline`): inputs and output gradients that
+  have landed and wait for the device's order to reach them. A receive lands when its sender
+  finishes: under 1F1B a device gets the next micro-batch's input while still running the
+  backward before.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
@@ -51,6 +55,7 @@ against per-device BFC peaks (one process per device, `bench/device_memory.py`) 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +64,7 @@ from lingvo_lite import base_layer
 from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline import simulator
 from lingvo_lite.pipeline.schedule import Phase
 
 # Gradient temporaries while back-propagating through one layer (one micro-batch): at least
@@ -130,20 +136,23 @@ class DeviceMemory:
     working_activations: int  # Of the action running at the peak.
     peak_in_flight: int  # Most micro-batches in flight on this device.
     peak_action: schedule_lib.Action | None
+    # Inputs and output gradients received at the peak but not yet used (with a timeline).
+    received_early: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer_slots + self.inputs
-                + self.kept_activations + self.working_activations)
+                + self.activations)
 
     @property
     def activations(self) -> int:
-        return self.kept_activations + self.working_activations
+        return self.kept_activations + self.working_activations + self.received_early
 
 
 def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                   input_bytes: int, sched: schedule_lib.Schedule, remat: str,
-                  num_slots: int = 1) -> list[DeviceMemory]:
+                  num_slots: int = 1,
+                  timeline: simulator.SimulatedStep | None = None) -> list[DeviceMemory]:
     """Each device's predicted peak (one `DeviceMemory` per cell, not summed).
 
     Args:
@@ -153,6 +162,11 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
       sched: the schedule; its per-cell orders decide what is in flight.
       remat: re-materialisation policy ('always', 'except_last', 'never').
       num_slots: weight-sized optimizer slots per trainable weight (`optimizer_slots`).
+      timeline: the schedule's simulated step (`simulator.simulate`). With it, a device also
+        holds what it has received and not yet used: a receive lands when its sender's action
+        ends, not when the device's own order reaches it (in 1F1B a device gets the next
+        micro-batch's input while still running the backward before). Counted at the end of
+        each of its actions; without a timeline, nothing arrives early.
     """
     if len(layers) != part.num_layers:
         raise ValueError(f"device_memory got {len(layers)} layers for a partition of "
@@ -191,32 +205,53 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         kept_input = 0.0 if k == 0 else boundary_in
         kept = 0.0
         in_flight = peak_in_flight = 0
-        peak = (0.0, 0.0, None)
+        peak = (0.0, 0.0, None, 0.0)
         stash: dict[int, float] = {}
+        inputs_landed = _landing_times(timeline, Phase.FORWARD, k - 1, num_micro)
+        gradients_landed = _landing_times(timeline, Phase.BACKWARD, k + 1, num_micro)
+        forwards = backwards = 0
         for action in sched.cell_order(k):
             t = action.micro_batch
+            forwards += action.phase is Phase.FORWARD
+            backwards += action.phase is Phase.BACKWARD
+            early = 0.0
+            if timeline is not None:  # Landed by the action's end, not yet used.
+                end = timeline.end[action]
+                early = (boundary_in * max(0, bisect.bisect_right(inputs_landed, end) - forwards)
+                         + boundary_out * max(0, bisect.bisect_right(gradients_landed, end)
+                                              - backwards))
             if action.phase is Phase.FORWARD:
                 backward = schedule_lib.Action(Phase.BACKWARD, k, t)
                 stash[t] = kept_input + (0.0 if backward in recomputed else saved)
                 kept += stash[t]
                 in_flight += 1
                 working = forward_work if backward in recomputed else 0.0
-                now = (kept, working, action)
+                now = (kept, working, action, early)
             else:
                 # A kept micro-batch's activations are already in `kept`.
                 working = call_work if action in recomputed else backward_work - saved
-                now = (kept, working, action)
+                now = (kept, working, action, early)
                 kept -= stash.pop(t)
                 in_flight -= 1
             peak_in_flight = max(peak_in_flight, in_flight)
-            if now[0] + now[1] > peak[0] + peak[1]:
+            if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
                 peak = now
         out.append(DeviceMemory(
             cell=k, weights=weights, gradients=gradients, optimizer_slots=num_slots * trainable,
             inputs=int(input_bytes) if k == 0 else 0, kept_activations=int(round(peak[0])),
             working_activations=int(round(peak[1])), peak_in_flight=peak_in_flight,
-            peak_action=peak[2]))
+            peak_action=peak[2], received_early=int(round(peak[3]))))
     return out
+
+
+def _landing_times(timeline: simulator.SimulatedStep | None, phase: Phase, cell: int,
+                   num_micro_batches: int) -> list[float]:
+    """When cell `cell`'s `phase` results reach its neighbour, sorted ([] without a timeline
+    or such a cell)."""
+    if timeline is None or not 0 <= cell < timeline.num_cells:
+        return []
+    return sorted(timeline.end[schedule_lib.Action(phase, cell, t)]
+                  for t in range(num_micro_batches))
 
 
 __all__ = ["LayerMemory", "DeviceMemory", "layer_memory", "optimizer_slots", "device_memory"]

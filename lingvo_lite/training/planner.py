@@ -6,8 +6,8 @@ the data replicas R (R x K <= N, R dividing the mini-batch), the micro-batches T
 the per-replica batch), the schedule and the re-materialisation policy. Each candidate gets
 
 * its peak memory per device from `memory_model.device_memory` (the layers' FPropMeta at the
-  per-replica batch, the schedule's per-device orders, the task's optimizer slots); candidates
-  whose worst device exceeds the budget are dropped;
+  per-replica batch, the schedule's per-device orders and its simulated timeline below, the
+  task's optimizer slots); candidates whose worst device exceeds the budget are dropped;
 * its step time from `simulator.simulate`: each cell's forward = its layers' FLOPs / the device
   throughput (`--plan_device_flops`, default `DEFAULT_DEVICE_FLOPS`) + a fixed per-action
   overhead, backward = 2 x forward (+ the forward again when recomputed), a boundary crossing
@@ -132,10 +132,23 @@ def _with_batch(shapes: Any, batch_dim: int, batch: int) -> Any:
     return tf.TensorShape(dims)
 
 
+def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
+                 num_micro_batches: int, device_flops: float,
+                 link_bytes_per_s: float) -> simulator.PhaseCosts:
+    """Each cell's per-micro-batch action times from its FLOPs (see the module docstring)."""
+    forward = tuple(f / num_micro_batches / device_flops + ACTION_OVERHEAD_S for f in cell_flops)
+    backward = tuple(BACKWARD_RATIO * (f - ACTION_OVERHEAD_S) + ACTION_OVERHEAD_S
+                     for f in forward)
+    transfer = max(boundary_bytes, default=0) / num_micro_batches / link_bytes_per_s
+    return simulator.PhaseCosts(forward, backward, transfer)
+
+
 def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
                    input_bytes: int, sched: schedule_lib.Schedule, remat: str, num_slots: int,
-                   num_replicas: int) -> list[memory_model.DeviceMemory]:
-    mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots)
+                   num_replicas: int,
+                   step: simulator.SimulatedStep) -> list[memory_model.DeviceMemory]:
+    mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots,
+                                     timeline=step)
     if num_replicas > 1:  # The all-reduced gradient beside the local one.
         mem = [dataclasses.replace(m, gradients=m.gradients
                                    + sum(x.trainable_bytes for x in layers[a:b]))
@@ -157,9 +170,13 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
     virtual_stages = p.virtual_stages if schedule == "interleaved" else 1
     sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches,
                                        virtual_stages)
-    return _device_memory(part, memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size),
-                          base_layer.activation_bytes(q.input_shapes), sched, remat, num_slots,
-                          num_replicas)
+    layers = memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size)
+    costs = _phase_costs([sum(m.flops for m in metas[a:b]) for a, b in part.cell_layer_ranges],
+                         [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]],
+                         num_micro_batches, DEFAULT_DEVICE_FLOPS, DEFAULT_LINK_BYTES_PER_S)
+    return _device_memory(part, layers, base_layer.activation_bytes(q.input_shapes), sched,
+                          remat, num_slots, num_replicas,
+                          simulator.simulate(sched, costs, remat=remat))
 
 
 def global_batch_size(p: hyperparams.Params) -> int:
@@ -218,11 +235,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
             for t in _divisors(batch // r):
                 if t > MAX_MICRO_BATCHES:
                     break
-                forward = tuple(f / t / device_flops + ACTION_OVERHEAD_S for f in cell_flops)
-                backward = tuple(BACKWARD_RATIO * (f - ACTION_OVERHEAD_S) + ACTION_OVERHEAD_S
-                                 for f in forward)
-                transfer = max(boundary, default=0) / t / link_bytes_per_s
-                costs = simulator.PhaseCosts(forward, backward, transfer)
+                costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
                 seen_orders = set()
                 for name in schedules:
                     try:
@@ -242,7 +255,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                         seen_remat.add(recomputed)
                         step = simulator.simulate(sched, costs, remat=remat)
                         mem = _device_memory(part, layers, input_bytes, sched, remat,
-                                             num_slots, r)
+                                             num_slots, r, step)
                         plan = Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem))
                         (fitting if plan.peak_bytes <= budget else too_big).append(plan)
 
@@ -303,7 +316,9 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"{format_bytes(m.weights)} + grads {format_bytes(m.gradients)} + optimizer "
             f"{format_bytes(m.optimizer_slots)} + input {format_bytes(m.inputs)} + kept "
             f"activations {format_bytes(m.kept_activations)} ({m.peak_in_flight} in flight) + "
-            f"working {format_bytes(m.working_activations)}")
+            f"working {format_bytes(m.working_activations)}"
+            + (f" + received early {format_bytes(m.received_early)}" if m.received_early
+               else ""))
     return lines
 
 
