@@ -24,7 +24,7 @@ def _flat(value) -> list[tf.Tensor]:
     return value.Flatten() if isinstance(value, NestedMap) else [value]
 
 
-def _read_by_gradient(layer, inputs) -> tuple[int, dict[str, bool]]:
+def _read_by_gradient(layer, inputs) -> tuple[int, list[bool]]:
     """Bytes of the forward's activations ([BATCH, H, W, C]; not per-channel statistics or
     filters) that the gradient's ops read, each once, and for each input leaf whether the
     gradient reads it."""
@@ -54,7 +54,7 @@ def _read_by_gradient(layer, inputs) -> tuple[int, dict[str, bool]]:
             if forward and t.shape.rank == 4 and t.shape[0] == BATCH:  # An activation.
                 read[id(t)] = t
     total = sum(t.shape.num_elements() * t.dtype.size for t in read.values())
-    inputs_read = {str(i): any(p is t for t in read.values()) for i, p in enumerate(placeholders)}
+    inputs_read = [any(p is t for t in read.values()) for p in placeholders]
     return total, inputs_read
 
 
@@ -73,7 +73,7 @@ class SavedBytesTest(tf.test.TestCase):
                     meta = p.cls.FPropMeta(p, x.shape)
                     total, inputs_read = _read_by_gradient(p.Instantiate(), x)
                     self.assertEqual(meta.saved_activation_bytes, total)
-                    self.assertEqual(meta.kept_input, inputs_read["0"])
+                    self.assertEqual(meta.kept_input, inputs_read[0])
 
     def test_cells(self):
         for variant in ("D", "B"):
