@@ -136,12 +136,16 @@ class ShapeWiring:
         return max((base_layer.activation_bytes(v, self._dtype) for v in self._values
                     if id(v) not in skip), default=0)
 
-    def saved_meta(self, inputs: tf.TensorShape, output: tf.TensorShape) -> dict[str, Any]:
-        """The FPropMeta fields of what the layer's backward keeps (see `backward_needs`)."""
+    def fprop_meta(self, inputs: tf.TensorShape, output: tf.TensorShape) -> NestedMap:
+        """The layer's FPropMeta, with what its backward keeps split into its input, its
+        output and the values inside it (read by a parent's `backward_needs`)."""
         ends = {id(v): self._kept.get(id(v), 0) for v in (inputs, output)}
-        return dict(saved_activation_bytes=self.saved_bytes,
-                    kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
+        meta = base_layer.fprop_meta(self.flops, output, self.num_params, self._dtype,
+                                     **self.extra_param_counts(),
+                                     saved_activation_bytes=self.saved_bytes)
+        meta.update(kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
                     kept_inside_bytes=self.saved_bytes - sum(ends.values()))
+        return meta
 
     def extra_param_counts(self) -> dict[str, int]:
         return base_layer.extra_param_counts(self.metas)
@@ -154,8 +158,9 @@ def backward_needs(child: InstantiableParams, x: tf.TensorShape,
     From TensorFlow's gradients: a convolution (plain or depthwise) reads its input, the batch
     norm (moments and an elementwise affine) its input, a max pool its input and output, an
     average pool and a strided slice nothing; a separable convolution reads its input and the
-    depthwise output. AmoebaNet's own layers say so in their FPropMeta (`saved_meta`); any
-    other layer keeps its `saved_activation_bytes` estimate, counted as inside it.
+    depthwise output. AmoebaNet's own layers say so in their FPropMeta
+    (`ShapeWiring.fprop_meta`); any other layer keeps its `saved_activation_bytes` estimate,
+    counted as inside it.
     """
     if "kept_input" in meta:
         return bool(meta.kept_input), bool(meta.kept_output), int(meta.kept_inside_bytes)

@@ -206,12 +206,7 @@ class AmoebaOpLayer(base_layer.BaseLayer):
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
         out = wire_chain(wiring, cls._steps(p), shape)
-        saved = wiring.saved_meta(shape, out)
-        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
-                                     **wiring.extra_param_counts(),
-                                     saved_activation_bytes=saved.pop("saved_activation_bytes"))
-        meta.update(saved)
-        return meta
+        return wiring.fprop_meta(shape, out)
 
 
 class FactorizedReductionLayer(base_layer.BaseLayer):
@@ -277,9 +272,4 @@ class FactorizedReductionLayer(base_layer.BaseLayer):
         check_nhwc(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         wiring = ShapeWiring(cls, p)
         out = cls._wire(p, wiring, shape)
-        saved = wiring.saved_meta(shape, out)
-        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
-                                     **wiring.extra_param_counts(),
-                                     saved_activation_bytes=saved.pop("saved_activation_bytes"))
-        meta.update(saved)
-        return meta
+        return wiring.fprop_meta(shape, out)
