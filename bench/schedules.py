@@ -10,8 +10,9 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   profiled, on the shared pool (TensorFlow's single-threaded executor, which serial devices use,
   emits no per-op profiler events): the measured mean idle fraction of the devices during the
   pipelined phase stands next to the schedule's theoretical bubble (its unit-time timeline's
-  idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's W
-  re-runs the cell's forward. Every row also shows the time model's step (issue 16,
+  idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's B
+  records the inputs and output gradients of the weight ops and W computes their weight
+  gradients from them. Every row also shows the time model's step (issue 16,
   `time_model.predicted_from_phase_costs`): the schedule simulated with each action's duration
   measured on its own (every cell's forward, backward, input-only and weight-gradient calls,
   and the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
@@ -26,6 +27,7 @@ All numbers in a figure come from one process, so the ratios compare like with l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -73,14 +75,15 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     before, on micro-batches 0, 1, ...; its time / chain_length is the phase's cost.
 
     Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
-    re-run, input and weight gradients added to sums), `input_only` (the same without weight
-    gradients: B of a split backward), `wgrad` (forward re-run and weight gradients: W),
-    `kept` (F and B of a micro-batch that keeps its activations, as the executor runs them: the
-    forward under a tape, its gradient, the weight gradients added to sums) and
-    `kept_input_only` (the same, input gradient only); `update`: momentum SGD on all the
-    weights. The kept pair is timed as one: alone, a forward under a tape whose gradient is
-    never taken measured as fast as the plain forward. Boundary inputs come from the layers of
-    the cells before, run eagerly.
+    re-run, input and weight gradients added to sums), `input_only` (B of a split backward:
+    the same with the weight gradients of `weight_ops` deferred, their records returned),
+    `wgrad` (W: those weight gradients computed from B's records), `kept` (F and B of a
+    micro-batch that keeps its activations, as the executor runs them: the forward under a
+    tape, its gradient, the weight gradients added to sums) and `kept_input_only` (the same
+    as a split backward's B); `update`: momentum SGD on all the weights. The kept pair is
+    timed as one: alone, a forward under a tape whose gradient is never taken measured as fast
+    as the plain forward. Boundary inputs come from the layers of the cells before, run
+    eagerly.
 
     Why chains: a call timed as a step of its own pays a top-level dispatch that the calls
     inside a pipeline's step share (AmoebaNet cells at a micro-batch of 4: 0.5-1.2 ms on 3-6
@@ -92,6 +95,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     import tensorflow as tf
 
     from lingvo_lite import fprop_context
+    from lingvo_lite.layers import weight_ops
     from lingvo_lite.pipeline import cell_functions, micro_batch, tf_private
 
     run = pipe._executor(0)  # noqa: SLF001 (a benchmark reaching into the layer's parts)
@@ -100,6 +104,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     xs = micro_batch.split(batch, num_micro_batches)
     offset = tf.constant(0, tf.int64)
     calls = {}
+    records = {}  # (cell, prepared micro-batch) -> B's records, W's inputs.
 
     def scalar(values) -> tf.Tensor:
         return tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values
@@ -114,11 +119,13 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
                 return cell_functions.flatten(out)
             if kind.startswith("kept"):
                 return kept(kind, k, cell, prepared, dy, sums, seed)
-            dx, new = cell.backward(
-                thetas[k], prepared, dy, sums, offset, seed,
-                need_dx=kind != "wgrad", need_weight_grads=kind != "input_only",
-                family="wgrad" if kind == "wgrad" else "bprop")
-            return list(dx) + list(new)
+            if kind == "wgrad":
+                return cell.weight_gradient(thetas[k], records[(k, prepared)], sums)
+            split = kind == "input_only"
+            dx, new, recs = cell.backward_with_records(
+                thetas[k], prepared, dy, [None] * len(sums) if split else sums, offset, seed,
+                need_dx=k > 0, defer_weight_grads=split)
+            return list(dx) + list(new) + [t for r in recs for t in (r.x, r.dy)]
 
         @tf.function(autograph=False)
         def fn(_):
@@ -133,25 +140,42 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
 
     def kept(kind, k, cell, prepared, dy, sums, seed) -> list:
         # As Executor._train_forward / _train_backward run a kept micro-batch (cell 0's input
-        # needs no gradient).
+        # needs no gradient); a split backward's B defers the weight_ops weight gradients.
         xs = [v for v in prepared.leaves if cell_functions.is_float(v)] if k else []
-        weights = [] if kind == "kept_input_only" else [
-            v for v in thetas[k].Flatten() if cell_functions.is_trainable(v)]
-        if not xs + weights:
-            out, _, _ = cell.forward(thetas[k], prepared, offset, seed, inline=not serial)
-            return cell_functions.flatten(out)
+        weights = [v for v in thetas[k].Flatten() if cell_functions.is_trainable(v)]
+        split = kind == "kept_input_only"
         tape = tf.GradientTape(watch_accessed_variables=False)
-        with tape:
+        with tape, (weight_ops.deferring(weights) if split and not serial
+                    else contextlib.nullcontext()) as stash:
             tape.watch(xs + weights)
             out, _, _ = cell.forward(thetas[k], prepared, offset, seed, inline=not serial)
         ys, dys = cell_functions.float_outputs_and_gradients(out, cell_functions.flatten(dy))
         with tf_private.serial_function_calls(serial):
             grads = tape.gradient(ys, xs + weights, output_gradients=dys,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        grads = [tf.convert_to_tensor(g) for g in grads]
-        if weights:
-            grads[len(xs):] = cell.accumulate(sums, grads[len(xs):])
-        return grads
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE if split
+                                  else tf.UnconnectedGradients.ZERO)
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        grads[len(xs):] = cell.accumulate([None] * len(sums) if split else sums,
+                                          grads[len(xs):])
+        recs = stash.records if stash is not None else []
+        return grads + [t for r in recs for t in (r.x, r.dy)]
+
+    def split_records(k, cell, prepared, dy, sums, seed) -> list:
+        """B's records of one micro-batch, made once (W's inputs when timing W alone)."""
+        made = []
+
+        @tf.function(autograph=False)
+        def fn():
+            with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0), \
+                    pipe._cell_scope(k):  # noqa: SLF001
+                _, _, recs = cell.backward_with_records(
+                    thetas[k], prepared, dy, [None] * len(sums), offset, seed, need_dx=False,
+                    defer_weight_grads=True)
+            made[:] = recs
+            return [t for r in recs for t in (r.x, r.dy)]
+
+        flat = fn()
+        return [r.with_tensors(flat[2 * i], flat[2 * i + 1]) for i, r in enumerate(made)]
 
     with fprop_context.fprop_context(training=True, step_seed=1, batch_dim=0):
         seeds = run._step_seeds()  # noqa: SLF001
@@ -168,6 +192,8 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
                     dy.loss = tf.constant(1.0 / num_micro_batches)
                 sums = [tf.zeros_like(v) for v in thetas[k].Flatten()
                         if cell_functions.is_trainable(v)]
+            for prepared in prepared_inputs:
+                records[(k, prepared)] = split_records(k, cell, prepared, dy, sums, seeds[k])
             for kind in PHASES:
                 calls[f"{kind}_{k}"] = make(kind, k, cell, prepared_inputs, dy, sums, seeds[k])
             xs = ys
@@ -375,7 +401,8 @@ def main() -> None:
         intro = [
             "Serial logical devices (the accelerator emulation), remat 'except_last', momentum "
             "SGD; naive MP = gpipe at T=1 on the same devices. interleaved: 2 cells per device "
-            "(virtual_stages=2). zero_bubble: ZB-H1, whose W re-runs the cell's forward here. "
+            "(virtual_stages=2). zero_bubble: ZB-H1; B records each weight op's input and output "
+            "gradient, W computes the weight gradients from them (layers.weight_ops). "
             "Theoretical bubble: the schedule's unit-time timeline (every action one tick). "
             "Measured idle: profiled on the shared pool (see the script's docstring).", ""]
         print(report.record_separate("12_schedules", "12. Schedules side by side, and batched "

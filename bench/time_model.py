@@ -49,9 +49,9 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     `schedules._phase_costs`), what this implementation runs per action: F is the forward
     call; a whole backward B is the backward call, or where the micro-batch kept its
     activations, the kept pair (forward under a tape and its gradient) less the forward; a split
-    backward's B is the input-gradient call or kept pair (nothing on cell 0, whose input needs
-    no gradient) and W the weight-gradient call, which re-runs the forward. The optimizer's
-    update follows the last action. (Results recorded before the kept pair was timed predict a
+    backward's B is the same with the weight gradients deferred (its input-gradient call or
+    kept pair) and W the weight-gradient call on B's records. The optimizer's update follows
+    the last action. (Results recorded before the kept pair was timed predict a
     kept B as the backward call less the forward.)"""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
@@ -64,8 +64,6 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
             return forward[k]
         if a.phase is Phase.WEIGHT:
             return costs["wgrad"][k]
-        if sched.splits_backward and k == 0:
-            return 0.0
         split = sched.splits_backward
         call = costs["input_only" if split else "bprop"][k]
         if a in recomputed:

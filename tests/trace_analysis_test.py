@@ -84,9 +84,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         want = schedule.make_schedule(sched, 2, num_micro)
         orders = cell_orders(boxes)
         for k in range(2):
-            expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)
-                        # A split backward's B on cell 0 computes nothing (no input gradient).
-                        if not (want.splits_backward and k == 0 and a.phase.value == "B")]
+            expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)]
             self.assertEqual(expected, orders[k], msg=f"cell {k}")
         # remat='except_last': a micro-batch is recomputed unless its backward directly
         # follows its forward in the cell's order (derived here from the schedule object).
@@ -94,8 +92,7 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         for k in range(2):
             order = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)]
             for i, (phase, t) in enumerate(order):
-                if phase == "F" and (i + 1 == len(order) or order[i + 1] != ("B", t)) \
-                        and not (want.splits_backward and k == 0):
+                if phase == "F" and (i + 1 == len(order) or order[i + 1] != ("B", t)):
                     want_recomputed.add((k, t))
         recomputed = {(b.cell, b.micro_batch) for b in boxes if b.phase == trace_analysis.RECOMPUTE}
         self.assertEqual(want_recomputed, recomputed)
@@ -110,10 +107,9 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         orders = cell_orders(boxes)
         want = schedule.make_schedule(sched, 2, 4)
         for k in range(2):
-            # Every backward computes only the input gradient (none on cell 0, whose input
-            # needs none); then one call takes the weight gradient of all four micro-batches.
-            expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)
-                        if not (k == 0 and a.phase.value == "B")]
+            # Every backward defers its matmuls' weight gradients; then one call takes them
+            # for all four micro-batches.
+            expected = [(a.phase.value, a.micro_batch) for a in want.cell_order(k)]
             expected.append(("W", op_names.ALL_MICRO_BATCHES))
             self.assertEqual(expected, orders[k], msg=f"cell {k}")
         w_boxes = [b for b in boxes if b.phase == trace_analysis.WEIGHT]

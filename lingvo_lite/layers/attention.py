@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
-from lingvo_lite.layers import dropout
+from lingvo_lite.layers import dropout, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["MultiHeadedAttention"]
@@ -106,7 +106,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     def _project(self, theta: NestedMap, name: str, x: tf.Tensor) -> tf.Tensor:
         """[B, T, D] -> [B, T, N, dh]."""
         p = self.params
-        y = tf.einsum("btd,dh->bth", x, theta[f"w_{name}"])
+        y = weight_ops.einsum("btd,dh->bth", x, theta[f"w_{name}"])
         if p.use_bias:
             y = tf.nn.bias_add(y, theta[f"b_{name}"])  # Keeps no activation for backward.
         dh = _hidden_dim(p) // p.num_heads
@@ -160,7 +160,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             weights = self.atten_dropout.FProp(theta.atten_dropout, weights)
         context = tf.einsum("bnts,bsnh->btnh", tf.cast(weights, dtype), v)
         context = tf.reshape(context, tf.concat([tf.shape(context)[:2], [_hidden_dim(p)]], 0))
-        out = tf.einsum("bth,hd->btd", context, theta.w_post)
+        out = weight_ops.einsum("bth,hd->btd", context, theta.w_post)
         if p.use_bias:
             out = tf.nn.bias_add(out, theta.b_post)
         return out, probs

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
-from lingvo_lite.layers import activations, composite
+from lingvo_lite.layers import activations, composite, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
 _PADDINGS = ("SAME", "VALID")
@@ -200,8 +200,8 @@ class Conv2DLayer(_FilterConvLayer):
         p = self.params
         sh, sw = to_pair(p.filter_stride, "filter_stride", self.path)
         dh, dw = to_pair(p.dilation_rate, "dilation_rate", self.path)
-        return tf.nn.conv2d(inputs, w, strides=[1, sh, sw, 1], padding=p.padding,
-                            dilations=[1, dh, dw, 1])
+        return weight_ops.conv2d(inputs, w, strides=[1, sh, sw, 1], padding=p.padding,
+                                 dilations=[1, dh, dw, 1])
 
 
 class DepthwiseConv2DLayer(_FilterConvLayer):
@@ -228,8 +228,8 @@ class DepthwiseConv2DLayer(_FilterConvLayer):
         sh, sw = to_pair(p.filter_stride, "filter_stride", self.path)
         dh, dw = to_pair(p.dilation_rate, "dilation_rate", self.path)
         if sh == sw and (sh == 1 or (dh == 1 and dw == 1)):
-            return tf.nn.depthwise_conv2d(inputs, w, strides=[1, sh, sw, 1], padding=p.padding,
-                                          dilations=[dh, dw])
+            return weight_ops.depthwise_conv2d(inputs, w, strides=[1, sh, sw, 1],
+                                               padding=p.padding, dilations=[dh, dw])
         # TF's kernel rejects unequal strides and silently mis-sizes stride > 1 with
         # dilation > 1; pad as TF would, convolve densely, then subsample.
         if p.padding == "SAME":
@@ -241,8 +241,8 @@ class DepthwiseConv2DLayer(_FilterConvLayer):
             pads = [[0, 0], list(same_padding(inputs.shape[1], kh, sh, dh)),
                     list(same_padding(inputs.shape[2], kw, sw, dw)), [0, 0]]
             inputs = tf.pad(inputs, pads)
-        dense = tf.nn.depthwise_conv2d(inputs, w, strides=[1, 1, 1, 1], padding="VALID",
-                                       dilations=[dh, dw])
+        dense = weight_ops.depthwise_conv2d(inputs, w, strides=[1, 1, 1, 1], padding="VALID",
+                                            dilations=[dh, dw])
         return dense[:, ::sh, ::sw, :]
 
 

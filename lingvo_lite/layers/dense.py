@@ -8,7 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
-from lingvo_lite.layers import activations
+from lingvo_lite.layers import activations, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["check_projection_shape", "FCLayer", "ProjectionLayer"]
@@ -65,10 +65,10 @@ class ProjectionLayer(base_layer.BaseLayer):
         check_projection_shape(self.path, p.input_dim, inputs.shape)
         inputs = tf.cast(inputs, self.fprop_dtype)
         if inputs.shape.rank == 2:
-            out = tf.matmul(inputs, theta.w)
+            out = weight_ops.matmul(inputs, theta.w)
         else:
             flat = tf.reshape(inputs, [-1, p.input_dim])
-            out = tf.matmul(flat, theta.w)
+            out = weight_ops.matmul(flat, theta.w)
             out = tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [p.output_dim]], axis=0))
             out.set_shape(inputs.shape[:-1].concatenate([p.output_dim]))
         if p.has_bias:

@@ -8,6 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite.layers import weight_ops
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["EmbeddingLayer"]
@@ -83,7 +84,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
                              f"{p.embedding_dim}], got shape {x.shape}.")
         x = tf.cast(x, self.fprop_dtype)
         flat = tf.reshape(x, [-1, p.embedding_dim])
-        logits = tf.matmul(flat, theta.emb, transpose_b=True)
+        logits = weight_ops.matmul(flat, theta.emb, transpose_b=True)
         out = tf.reshape(logits, tf.concat([tf.shape(x)[:-1], [p.vocab_size]], axis=0))
         out.set_shape(x.shape[:-1].concatenate([p.vocab_size]))
         return out

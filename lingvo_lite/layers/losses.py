@@ -7,6 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite.layers import weight_ops
 from lingvo_lite.layers.normalization import check_input_shape
 from lingvo_lite.nested_map import NestedMap
 
@@ -94,7 +95,7 @@ class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
                           p.input_dim, "input_dim")
         theta = self.CastTheta(theta)
         x = tf.cast(inputs, self.fprop_dtype)
-        logits = tf.tensordot(x, theta.weight, axes=[[-1], [0]])
+        logits = weight_ops.dot_last_axis(x, theta.weight)
         if p.has_bias:
             logits = tf.nn.bias_add(logits, theta.bias)
         return tf.cast(logits, tf.float32)

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import fprop_context
+from lingvo_lite.layers import weight_ops
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import op_names, tf_private
 
@@ -228,6 +230,7 @@ class CellFunctions:
         self._serial = serial
         self._forward: dict[tuple[_Context, bool], _TracedOnce] = {}
         self._backward: dict[_Context, _TracedOnce] = {}
+        self._weight_gradient: dict[tuple[Any, ...], _TracedOnce] = {}
         self._pending: tuple[NestedMap, CallInput, CallInput] | None = None
         self._accumulate = _TracedOnce(self._accumulate_body, self._name("accumulate"), traced)
 
@@ -249,6 +252,7 @@ class CellFunctions:
         """Traces of all this cell's functions so far (each is traced once per signature)."""
         return (sum(f.num_traces for f in self._forward.values())
                 + sum(f.num_traces for f in self._backward.values())
+                + sum(f.num_traces for f in self._weight_gradient.values())
                 + self._accumulate.num_traces)
 
     def _call(self, function: _TracedOnce, *args: Any) -> tuple[list[Any], Any]:
@@ -359,7 +363,8 @@ class CellFunctions:
     def backward(self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
                  example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
                  need_weight_grads: bool = True, family: str = op_names.BPROP,
-                 packed: tuple[int, ...] = ()) -> tuple[list[Any], list[Any]]:
+                 packed: tuple[int, ...] = (),
+                 defer_weight_grads: bool = False) -> tuple[list[Any], list[Any]]:
         """Re-runs the forward on `x` under a tape and differentiates it with `dy`.
 
         Args:
@@ -379,37 +384,60 @@ class CellFunctions:
           packed: positions (among the trainable leaves) of weights whose gradients are summed
             in one flat vector (`pack_gradients`); the sums are then that vector followed by
             the other leaves' sums. A loop carries one tensor instead of many small ones.
+          defer_weight_grads: the B of a split backward: weights applied through
+            `weight_ops` get no gradient here; their ops' inputs and output gradients come
+            back as records for `weight_gradient` (W). The other weights' gradients are
+            added to `grad_sums`, which then has one entry per trainable leaf, None where
+            nothing was added yet (use `backward_with_records`).
 
         Returns:
           (dx, new_grad_sums): dx per leaf of x (None for non-float leaves, [] if not
           needed) and the sums plus this micro-batch's weight gradients ([] if not needed).
         """
+        dx, sums, _ = self.backward_with_records(
+            theta, x, dy, grad_sums, example_offset, step_seed, need_dx, need_weight_grads,
+            family, packed, defer_weight_grads)
+        return dx, sums
+
+    def backward_with_records(
+            self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
+            example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
+            need_weight_grads: bool = True, family: str = op_names.BPROP,
+            packed: tuple[int, ...] = (), defer_weight_grads: bool = False,
+    ) -> tuple[list[Any], list[Any], list[weight_ops.Record]]:
+        """`backward`, plus the records of deferred weight gradients (with
+        `defer_weight_grads`; else [])."""
         ctx = _Context(bool(fprop_context.current().training), fprop_context.current().batch_dim,
                        False)
-        key = (ctx, need_dx, need_weight_grads, family, packed)
+        key = (ctx, need_dx, need_weight_grads, family, packed, defer_weight_grads)
         if key not in self._backward:
             self._backward[key] = _TracedOnce(
                 lambda *a: self._backward_body(ctx, need_dx, need_weight_grads, family, packed,
-                                               *a),
+                                               defer_weight_grads, *a),
                 self._name(family), self._traced)
         args = self._arguments(theta, x, example_offset, step_seed)
         dy_leaves = flatten(dy)
         if self._traced:
             dy_leaves = [_to_call_argument(v) for v in dy_leaves]
-        flat, num_dx = self._call(self._backward[key], *args, dy_leaves, list(grad_sums))
-        return flat[:num_dx], flat[num_dx:]
+        flat, (num_dx, num_sums, records) = self._call(self._backward[key], *args, dy_leaves,
+                                                       list(grad_sums))
+        pairs = iter(flat[num_dx + num_sums:])
+        return (flat[:num_dx], flat[num_dx:num_dx + num_sums],
+                [r.with_tensors(next(pairs), next(pairs)) for r in records])
 
     def _backward_body(self, ctx: _Context, need_dx: bool, need_weight_grads: bool,
-                       family: str, packed: tuple[int, ...], structure: Any,
-                       theta_leaves: list[Any],
+                       family: str, packed: tuple[int, ...], defer_weight_grads: bool,
+                       structure: Any, theta_leaves: list[Any],
                        x_leaves: list[Any], offset: Any, seed_leaves: list[Any],
                        dy_leaves: list[Any], grad_sums: list[Any]) -> tuple[list[Any], Any]:
         del structure  # Only tells traces apart.
         theta, x, offset, seed = self._unpack_arguments(theta_leaves, x_leaves, offset,
                                                         seed_leaves)
-        sources = ([v for v in theta.Flatten() if is_trainable(v)] if need_weight_grads
-                   else [])
-        with self._scope(family):
+        sources = ([v for v in theta.Flatten() if is_trainable(v)]
+                   if need_weight_grads or defer_weight_grads else [])
+        deferral = (weight_ops.deferring(sources) if defer_weight_grads
+                    else contextlib.nullcontext(None))
+        with self._scope(family), deferral as stash:
             x_sources = [v for v in flatten(x) if is_float(v)] if need_dx else []
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
@@ -419,19 +447,51 @@ class CellFunctions:
                         step_seed=seed, updates=None):
                     y = self._body(theta, x)
             ys, dys = float_outputs_and_gradients(y, dy_leaves)
+            # Deferred weights get no gradient here (None), nor do weights that only they use.
             grads = tape.gradient(ys, x_sources + sources, output_gradients=dys,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE
+                                  if defer_weight_grads else tf.UnconnectedGradients.ZERO)
             dx_iter = iter(grads[:len(x_sources)])
             dx = ([next(dx_iter) if is_float(v) else None for v in flatten(x)]
                   if need_dx else [])
             weight_grads = pack_gradients(grads[len(x_sources):], packed)
-            if not need_weight_grads:
+            if defer_weight_grads:
+                sums = add_gradients(grad_sums, weight_grads)
+            elif not need_weight_grads:
                 sums = []
             elif grad_sums:
                 sums = add_gradients(grad_sums, weight_grads)
             else:  # The cell's first weight gradient: it is the sum so far.
                 sums = [tf.convert_to_tensor(g) for g in weight_grads]
-        return dx + sums, len(dx)
+            records = stash.records if stash is not None else []
+        return (dx + sums + [t for r in records for t in (r.x, r.dy)],
+                (len(dx), len(sums), records))
+
+    def weight_gradient(self, theta: NestedMap, records: Sequence[weight_ops.Record],
+                        grad_sums: list[Any]) -> list[Any]:
+        """W: the weight gradients that `records` stand for, added to `grad_sums` (one entry
+        per trainable leaf of theta, None where nothing was added yet), as one call."""
+        static = tuple(r.static() for r in records)
+        key = static
+        if key not in self._weight_gradient:
+            self._weight_gradient[key] = _TracedOnce(
+                lambda *a: self._weight_gradient_body(static, *a),
+                self._name(op_names.WGRAD), self._traced)
+        pairs = [_to_call_argument(t) if self._traced else t
+                 for r in records for t in (r.x, r.dy)]
+        flat, _ = self._call(self._weight_gradient[key], static, theta.Flatten(), pairs,
+                             list(grad_sums))
+        return flat
+
+    def _weight_gradient_body(self, static: tuple[Any, ...], structure: Any,
+                              theta_leaves: list[Any], pairs: list[Any],
+                              grad_sums: list[Any]) -> tuple[list[Any], Any]:
+        del structure  # Only tells traces apart.
+        sources = [v for v in theta_leaves if is_trainable(v)]
+        records = [weight_ops.Record(*s, x=pairs[2 * i], dy=pairs[2 * i + 1])
+                   for i, s in enumerate(static)]
+        with self._scope(op_names.WGRAD):
+            return add_gradients(grad_sums, weight_ops.weight_gradients(records, sources)), None
 
     # -- gradient sums -----------------------------------------------------------------------
 
@@ -487,12 +547,17 @@ def unpack_gradients(sums: Sequence[Any], packed: Sequence[int],
 
 
 def add_gradients(sums: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
-    """Leaf-wise sums + grads; embedding-lookup gradients (IndexedSlices) added densely."""
+    """Leaf-wise sums + grads; embedding-lookup gradients (IndexedSlices) added densely.
+
+    A None on either side is nothing yet (the other side is the sum); [] sums: none at all.
+    """
+    if not sums:
+        sums = [None] * len(grads)
     out = []
     for s, g in zip(sums, grads):
         if isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
-        out.append(s + g)
+        out.append(g if s is None else s if g is None else s + g)
     return out
 
 

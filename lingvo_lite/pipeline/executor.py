@@ -32,6 +32,7 @@ Example (two cells on the default device, two micro-batches):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
@@ -39,6 +40,7 @@ from typing import Any, ContextManager
 import tensorflow as tf
 
 from lingvo_lite import fprop_context
+from lingvo_lite.layers import weight_ops
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import op_names, tf_private
 from lingvo_lite.pipeline.cell_functions import (
@@ -68,9 +70,10 @@ class StepState:
     input_grads: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
     last_ops: list[list[Any]] = dataclasses.field(default_factory=list)  # Per device.
     zeros: dict[tuple[Any, ...], tf.Tensor] = dataclasses.field(default_factory=dict)
-    # What W(k, t) of a split backward needs: boundary input, upstream gradient, offset.
-    weight_inputs: dict[Key, tuple[Any, Any, tf.Tensor]] = dataclasses.field(
-        default_factory=dict)
+    # Deferred weight gradients: a kept forward's stash (filled by its backward's tape), and
+    # what W(k, t) (or a cell's batched W) computes them from.
+    stashes: dict[Key, weight_ops.Stash] = dataclasses.field(default_factory=dict)
+    deferred: dict[Key, list[weight_ops.Record]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,7 @@ class Executor:
 
     def train(self, sched: Schedule, thetas: Sequence[NestedMap], xs: Sequence[Any],
               micro_batch_size: int, keep: frozenset[Key], loss_gradient: Callable[[Any], Any],
-              need_input_grads: bool = False, batch_dim: int = 0,
+              need_input_grads: bool = False,
               batched_weight_grads: bool = False) -> TrainResult:
         """Forward and backward of every micro-batch, weight gradients summed per cell.
 
@@ -167,22 +170,25 @@ class Executor:
           loss_gradient: `loss_gradient(y)` -> the gradient to start the last cell's
             backward from, shaped like its output y (None leaves for no gradient).
           need_input_grads: also compute d(loss)/d(micro-batch) for every float input leaf.
-          batch_dim: the examples' axis (micro-batches are concatenated along it).
-          batched_weight_grads: each backward computes only the input gradient; once a
-            cell's last backward ran, one call re-runs its forward on all its micro-batches
-            (concatenated) and takes the weight gradient of the whole mini-batch: one
-            weight-sized gradient per cell instead of T (see `_batched_weight_gradient`).
+          batched_weight_grads: each backward defers the weight gradients of ops applied
+            through `weight_ops` (as a split backward's B does); once a cell's last backward
+            ran, one call computes them for all its micro-batches from their concatenated
+            records (one matmul over all the rows instead of T): one weight-sized gradient
+            per weight instead of T, for holding every micro-batch's records until then.
         """
         seed = self._step_seeds()
         state = StepState(boundary={(0, t): x for t, x in enumerate(xs)},
                           offsets=self._first_offsets(len(xs), micro_batch_size),
                           last_ops=[[] for _ in range(sched.num_devices)])
         sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
-        # [] until a cell's first weight gradient, which becomes its sums as it is: starting
-        # from zeros would hold one more weight-sized buffer per weight all step.
-        state.grad_sums = [[] for _ in range(self.num_cells)]
-        # One micro-batch has nothing to batch: the extra re-run would be pure cost.
+        # One micro-batch has nothing to batch.
         batched_weight_grads = batched_weight_grads and len(xs) > 1
+        defer = sched.splits_backward or batched_weight_grads
+        # [] (or None per leaf when weight gradients are deferred) until a cell's first weight
+        # gradient, which becomes its sums as it is: starting from zeros would hold one more
+        # weight-sized buffer per weight all step.
+        state.grad_sums = [[None] * len(sources[k]) if defer else []
+                           for k in range(self.num_cells)]
         if batched_weight_grads and sched.splits_backward:
             raise ValueError(
                 f"weight_gradients='batched' with schedule={sched.name!r}: that schedule already "
@@ -195,29 +201,30 @@ class Executor:
             k = action.cell
             device = sched.device_of_cell(k)
             if action.phase is Phase.FORWARD:
-                self._train_forward(action, device, state, thetas, sources, keep, seed,
-                                    batched_weight_grads)
+                self._train_forward(action, device, state, thetas, sources, keep, seed, defer)
             elif action.phase is Phase.BACKWARD:
                 self._train_backward(action, device, state, thetas, sources, seed,
-                                     loss_gradient, need_input_grads,
-                                     sched.splits_backward or batched_weight_grads)
+                                     loss_gradient, need_input_grads, defer)
             else:
-                self._train_weight_gradient(action, device, state, thetas, seed)
+                self._train_weight_gradient(
+                    k, device, [state.deferred.pop((k, action.micro_batch))], state, thetas,
+                    self._action_scope(op_names.WEIGHT, k, action.micro_batch))
             if batched_weight_grads and done_actions[k] == last_backward[k]:
-                self._batched_weight_gradient(k, device, len(xs), state, thetas, seed,
-                                              batch_dim)
+                self._train_weight_gradient(
+                    k, device, [state.deferred.pop((k, t)) for t in range(len(xs))], state,
+                    thetas, tf.name_scope(op_names.batched_weight_gradient_scope(k)))
             done_actions[k] += 1
         num_micro = len(xs)
         return TrainResult(
             outputs=[state.outputs[t] for t in range(num_micro)],
-            grad_sums=state.grad_sums,
+            grad_sums=[self._zeros_where_none(k, sums, sources[k])
+                       for k, sums in enumerate(state.grad_sums)],
             input_grads=([state.input_grads[t] for t in range(num_micro)]
                          if need_input_grads else None))
 
     def _train_forward(self, action: Action, device: int, state: StepState,
                        thetas: Sequence[NestedMap], sources: list[list[Any]],
-                       keep: frozenset[Key], seed: list[CallInput],
-                       batched_weight_grads: bool) -> None:
+                       keep: frozenset[Key], seed: list[CallInput], defer: bool) -> None:
         k, t = action.cell, action.micro_batch
         offset = state.offsets[(k, t)]  # Kept for the backward.
         with self._cell_scope(k), self._action_scope(op_names.FORWARD, k, t), \
@@ -229,19 +236,17 @@ class Executor:
                 with tape:
                     tape.watch([v for v in x.leaves if is_float(v)] + sources[k])
                     # Inline, so the backward frees the activations layer by layer; on
-                    # serial devices only a call runs one op at a time.
-                    y, next_offset, reports = self._cells[k].forward(
-                        thetas[k], x, offset, seed[k], inline=not self._serial)
+                    # serial devices only a call runs one op at a time (and then its weight
+                    # gradients cannot be deferred: the call's gradient is a function of its
+                    # own, whose records could not leave it).
+                    with _deferring(defer and not self._serial, sources[k]) as stash:
+                        y, next_offset, reports = self._cells[k].forward(
+                            thetas[k], x, offset, seed[k], inline=not self._serial)
                 state.tapes[(k, t)] = (tape, y)
+                if stash is not None:
+                    state.stashes[(k, t)] = stash
             else:
                 y, next_offset, reports = self._cells[k].forward(thetas[k], x, offset, seed[k])
-        if batched_weight_grads and reports:
-            layer = reports[0][0]
-            raise ValueError(
-                f"weight_gradients='batched' re-runs cell {k} on all micro-batches at once, but "
-                f"its layer '{getattr(layer, 'path', layer)}' computes statistics per "
-                "micro-batch (e.g. batch norm), which would change; use "
-                "weight_gradients='per_micro_batch'.")
         report_statistics(reports)
         state.last_ops[device] = [v for v in flatten(y) if v is not None]
         if k == self.num_cells - 1:
@@ -253,8 +258,9 @@ class Executor:
     def _train_backward(self, action: Action, device: int, state: StepState,
                         thetas: Sequence[NestedMap], sources: list[list[Any]],
                         seed: list[CallInput], loss_gradient: Callable[[Any], Any],
-                        need_input_grads: bool, split: bool) -> None:
-        """B(k, t): the whole backward, or with `split` only the input gradient (W follows)."""
+                        need_input_grads: bool, defer: bool) -> None:
+        """B(k, t): the whole backward, or with `defer` all but the weight gradients of ops
+        applied through `weight_ops`, whose records W computes them from later."""
         k, t = action.cell, action.micro_batch
         offset = state.offsets.pop((k, t))
         if k == self.num_cells - 1:
@@ -263,10 +269,8 @@ class Executor:
             upstream = state.upstream.pop((k, t))
         x = state.boundary.pop((k, t))
         need_dx = k > 0 or need_input_grads
-        if split:
-            # W(k, t) re-runs the forward and takes the weight gradient later.
-            state.weight_inputs[(k, t)] = (x, upstream, offset)
         sums: list[Any] = []
+        records: list[weight_ops.Record] = []
         with self._cell_scope(k), self._action_scope(op_names.BACKWARD, k, t), \
                 tf.control_dependencies(state.last_ops[device]):
             if (k, t) in state.tapes:
@@ -274,35 +278,34 @@ class Executor:
                 ys, dys = float_outputs_and_gradients(
                     y, flatten(upstream), lambda i, leaf: self._zeros(state, k, i, leaf))
                 x_sources = [v for v in x.leaves if is_float(v)] if need_dx else []
-                weights = [] if split else sources[k]
-                if x_sources or weights:
-                    with tf_private.serial_function_calls(self._serial):
-                        grads = tape.gradient(
-                            ys, x_sources + weights, output_gradients=dys,
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                else:
-                    grads = []
+                # Deferred weights get no gradient here (None); their stash gets records.
+                with tf_private.serial_function_calls(self._serial):
+                    grads = tape.gradient(
+                        ys, x_sources + sources[k], output_gradients=dys,
+                        unconnected_gradients=tf.UnconnectedGradients.NONE if defer
+                        else tf.UnconnectedGradients.ZERO)
                 dx_iter = iter(grads[:len(x_sources)])
                 dx = [next(dx_iter) if is_float(v) else None for v in x.leaves] \
                     if need_dx else []
-                if not split:
-                    weight_grads = [tf.convert_to_tensor(g) for g in grads[len(x_sources):]]
-                    sums = (self._cells[k].accumulate(state.grad_sums[k], weight_grads)
-                            if state.grad_sums[k] else weight_grads)
-                    dx = _after(dx, sums)
-            elif split and not need_dx:
-                dx = []  # Cell 0's input gradient is not needed: W does all the work.
+                weight_grads = [None if g is None else tf.convert_to_tensor(g)
+                                for g in grads[len(x_sources):]]
+                sums = self._add(k, state.grad_sums[k], weight_grads)
+                if any(g is not None for g in weight_grads):
+                    dx = _after(dx, [g for g in sums if g is not None])
+                stash = state.stashes.pop((k, t), None)
+                records = stash.records if stash is not None else []
             else:
                 # The upstream gradient is an input of the call, so the re-computation starts
                 # only once it exists: it stays in the backward pass.
-                dx, sums = self._cells[k].backward(
-                    thetas[k], x, upstream, [] if split else state.grad_sums[k], offset,
-                    seed[k], need_dx, need_weight_grads=not split)
+                dx, sums, records = self._cells[k].backward_with_records(
+                    thetas[k], x, upstream, state.grad_sums[k], offset, seed[k], need_dx,
+                    defer_weight_grads=defer)
                 if not self._cells[k].traced and sums:
-                    dx = _after(dx, sums)
-            if not split:
-                state.grad_sums[k] = sums
-        done = [g for g in dx if g is not None] + list(sums)
+                    dx = _after(dx, [g for g in sums if g is not None])
+            state.grad_sums[k] = sums
+        if defer:
+            state.deferred[(k, t)] = records
+        done = [g for g in dx if g is not None] + [g for g in sums if g is not None]
         if done:
             state.last_ops[device] = done
         if k > 0:
@@ -310,44 +313,38 @@ class Executor:
         elif need_input_grads:
             state.input_grads[t] = dx
 
-    def _train_weight_gradient(self, action: Action, device: int, state: StepState,
-                               thetas: Sequence[NestedMap], seed: list[CallInput]) -> None:
-        """W(k, t) of a split backward: re-run the forward, add the weight gradient to the sums."""
-        k, t = action.cell, action.micro_batch
-        x, upstream, offset = state.weight_inputs.pop((k, t))
-        with self._cell_scope(k), self._action_scope(op_names.WEIGHT, k, t), \
-                tf.control_dependencies(state.last_ops[device]):
-            _, sums = self._cells[k].backward(
-                thetas[k], x, upstream, state.grad_sums[k], offset, seed[k], need_dx=False,
-                need_weight_grads=True, family=op_names.WGRAD)
-        state.grad_sums[k] = sums
-        state.last_ops[device] = list(sums)
+    def _train_weight_gradient(self, k: int, device: int,
+                               records: list[list[weight_ops.Record]], state: StepState,
+                               thetas: Sequence[NestedMap], scope: Any) -> None:
+        """W: the deferred weight gradients of one or (batched) several micro-batches of cell
+        k, from their records, added to the cell's sums as one call.
 
-    def _batched_weight_gradient(self, k: int, device: int, num_micro_batches: int,
-                                 state: StepState, thetas: Sequence[NestedMap],
-                                 seed: list[CallInput], batch_dim: int) -> None:
-        """Cell k's weight gradient for all its micro-batches in one call.
-
-        The sum over micro-batches of d(loss_t)/d(weights), each weighted by its upstream
-        gradient, is the gradient of one forward of the concatenated micro-batches with the
-        concatenated upstream gradients: the examples keep their positions (dropout masks are
-        keyed by them) and the last cell's scalar loss, a mean over its examples, takes the
-        sum of the micro-batches' seeds (the mean over all of them, weighted alike).
+        Several micro-batches' records are concatenated, so each op's weight gradient is one
+        op over all their rows (`weight_ops.concatenate`): the sum over micro-batches of x^T dy
+        is [x_1; ...; x_T]^T [dy_1; ...; dy_T]. A kept micro-batch on serial devices computed
+        its weight gradients in B and has no records. The call is made even with no records,
+        so that every W runs one function (`op_names.function_runs`).
         """
-        inputs = [state.weight_inputs.pop((k, t)) for t in range(num_micro_batches)]
-        xs = [x for x, _, _ in inputs]
-        with self._cell_scope(k), tf.name_scope(op_names.batched_weight_gradient_scope(k)), \
-                tf.control_dependencies(state.last_ops[device]):
-            x_all = _concatenate([x.value(x.leaves) for x in xs], batch_dim, k, "input",
-                                 shared_scalars=k == 0)
-            dy_all = _concatenate([dy for _, dy, _ in inputs], batch_dim, k, "output gradient",
-                                  shared_scalars=False, sum_scalars=k == self.num_cells - 1)
-            _, sums = self._cells[k].backward(
-                thetas[k], self._cells[k].prepare(x_all), dy_all, state.grad_sums[k],
-                inputs[0][2], seed[k], need_dx=False, need_weight_grads=True,
-                family=op_names.WGRAD)
+        records = [r for r in records if r]
+        with self._cell_scope(k), scope, tf.control_dependencies(state.last_ops[device]):
+            sums = self._cells[k].weight_gradient(
+                thetas[k], weight_ops.concatenate(records) if records else [],
+                state.grad_sums[k])
         state.grad_sums[k] = sums
-        state.last_ops[device] = list(sums)
+        state.last_ops[device] = [g for g in sums if g is not None]
+
+    def _add(self, k: int, sums: list[Any], grads: list[Any]) -> list[Any]:
+        """sums + grads leaf by leaf (None: nothing yet) as one call; [] sums (the cell's first
+        weight gradients, not deferred): the grads are the sums."""
+        return self._cells[k].accumulate(sums, grads) if sums else grads
+
+    def _zeros_where_none(self, k: int, sums: list[Any], sources: list[Any]) -> list[Any]:
+        """The sums with a zero gradient for weights nothing reached (as an unconnected
+        gradient is)."""
+        if all(s is not None for s in sums):
+            return sums
+        with self._cell_scope(k):
+            return [tf.zeros_like(v) if s is None else s for s, v in zip(sums, sources)]
 
     def _zeros(self, state: StepState, k: int, i: int, like: tf.Tensor) -> tf.Tensor:
         """Zeros like output leaf i of cell k, made once per step and shared by micro-batches
@@ -373,33 +370,8 @@ def _after(dx: list[Any], sums: list[Any]) -> list[Any]:
         return [None if g is None else tf.identity(g) for g in dx]
 
 
-def _concatenate(values: list[Any], batch_dim: int, cell: int, what: str,
-                 shared_scalars: bool, sum_scalars: bool = False) -> Any:
-    """Micro-batch values of one cell joined along `batch_dim` (None leaves stay None).
-
-    Scalars are the pipeline input's shared scalars (`shared_scalars`: take the first), the
-    last cell's loss seeds (`sum_scalars`: add them up), or else an error: a scalar computed per
-    micro-batch cannot be re-assembled into the mini-batch's.
-    """
-    leaves = [flatten(v) for v in values]
-    out = []
-    for i, first in enumerate(leaves[0]):
-        parts = [lv[i] for lv in leaves]
-        if first is None or all(p is None for p in parts):
-            out.append(None)
-        elif first.shape.rank == 0:
-            if sum_scalars:
-                out.append(tf.add_n(parts))
-            elif shared_scalars:
-                out.append(first)
-            else:
-                raise ValueError(
-                    f"weight_gradients='batched' joins cell {cell}'s micro-batches, but its "
-                    f"{what} has a scalar leaf computed per micro-batch; keep scalars out of "
-                    "cell boundaries or use weight_gradients='per_micro_batch'.")
-        else:
-            out.append(tf.concat(parts, axis=batch_dim))
-    return pack(values[0], out)
+def _deferring(defer: bool, weights: Sequence[Any]) -> ContextManager[Any]:
+    return weight_ops.deferring(weights) if defer else contextlib.nullcontext(None)
 
 
 def report_statistics(reports: list[tuple[Any, Any]]) -> None:

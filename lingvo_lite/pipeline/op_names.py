@@ -135,13 +135,14 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
       B(k, t), whole backward: kept -> (fprop_gradient if not inline,) then accumulate
         unless it is the cell's first weight gradient (which becomes the sums as it is);
         else bprop.
-      B(k, t), input gradient of a split backward: kept -> (fprop_gradient if not inline);
-        else bprop (the re-computation stays in B); cell 0 computes none (its input needs
-        no gradient).
-      W(k, t): wgrad (one function computes the weight gradient and adds it to the sums).
+      B(k, t) of a split backward (the weight gradients of `weight_ops` deferred): kept ->
+        (fprop_gradient if not inline,) then accumulate (the other weights' gradients); else
+        bprop (the re-computation stays in B).
+      W(k, t): wgrad (one function computes the deferred weight gradients from B's records
+        and adds them to the sums).
     With `batched_weight_grads` (and T > 1, a schedule that does not split the backward) every
-    backward is an input gradient as in a split backward, and after the cell's last one a
-    wgrad call for ALL_MICRO_BATCHES computes the weight gradient of all of them.
+    backward is a split backward's B, and after the cell's last one a wgrad call for
+    ALL_MICRO_BATCHES computes the deferred weight gradients of all of them.
     """
     batched = (batched_weight_grads and not sched.splits_backward
                and sched.num_micro_batches > 1)
@@ -156,10 +157,8 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
                 families = [] if (k, t) in keep and kept_inline else [FPROP]
             elif action.phase is Phase.WEIGHT:
                 families = [WGRAD]
-            elif splits and k == 0:
-                families = []  # Cell 0's input gradient is not computed: W does the work.
             elif (k, t) in keep:
-                families = kept_gradient + ([] if splits or not has_sums else [ACCUMULATE])
+                families = kept_gradient + ([ACCUMULATE] if splits or has_sums else [])
             else:
                 families = [BPROP]
             if action.phase is not Phase.FORWARD and (

@@ -193,8 +193,10 @@ class PipeliningLayer(base_layer.BaseLayer):
                  "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (PipeDream-flush), "
                  "'interleaved' (Megatron's interleaved 1F1B; see virtual_stages) or "
                  "'zero_bubble' (ZB-H1: each backward split into the input gradient B and "
-                 "the weight gradient W, which re-runs the cell's forward and fills the "
-                 "bubbles).")
+                 "the weight gradient W, which fills the bubbles; B records the inputs and "
+                 "output gradients of the ops that apply weights (layers.weight_ops: "
+                 "matmuls, einsums, convolutions) and W computes their weight gradients "
+                 "from those, until then held in memory; other weights get theirs in B).")
         p.Define("virtual_stages", 1,
                  "For schedule='interleaved': cells per device, v. The layers are partitioned "
                  "into num_cells cells that run on num_cells / v devices, device d holding "
@@ -204,11 +206,13 @@ class PipeliningLayer(base_layer.BaseLayer):
             "weight_gradients", "per_micro_batch",
             "'per_micro_batch': every backward adds its micro-batch's weight gradient to the "
             "cell's sums (T weight-sized gradients per cell and step). 'batched': backwards "
-            "compute only input gradients; after a cell's last backward, one call re-runs the "
-            "cell on all its micro-batches at once and takes the whole mini-batch's weight "
-            "gradient: one weight-sized gradient per cell, a win for weight-heavy layers with "
-            "small micro-batches, for the memory of one full-batch re-computation per cell. "
-            "Refused for layers with per-micro-batch statistics (batch norm) and zero_bubble.")
+            "record the inputs and output gradients of the ops that apply weights "
+            "(layers.weight_ops) instead; after a cell's last backward, one call computes "
+            "each such weight's gradient for all micro-batches at once (one matmul over all "
+            "their rows): one weight-sized gradient per weight, a win for weight-heavy "
+            "layers with small micro-batches, for holding every micro-batch's records until "
+            "then. Other weights (biases, normalisation) get theirs per micro-batch. Refused "
+            "with zero_bubble, which already defers weight gradients to its W actions.")
         p.Define(
             "micro_batch_loop", False,
             "Run the micro-batches in a tf.while_loop (loop_executor.py): each cell is called "
@@ -569,7 +573,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             result = self._executor(replica).train(
                 sched, self._cell_thetas(theta), xs, micro_size,
                 keep=remat.remat_plan(sched, self.params.remat), loss_gradient=loss_gradient,
-                need_input_grads=return_input_grads, batch_dim=self.params.batch_dim,
+                need_input_grads=return_input_grads,
                 batched_weight_grads=self.params.weight_gradients == "batched")
         ordered = result.outputs
         grads = self._theta_grads(theta, result.grad_sums)
