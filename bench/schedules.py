@@ -120,7 +120,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
             if kind.startswith("kept"):
                 return kept(kind, k, cell, prepared, dy, sums, seed)
             if kind == "wgrad":
-                return cell.weight_gradient(thetas[k], records[(k, prepared)], sums)
+                return cell.weight_gradient(thetas[k], records[(k, id(prepared))], sums)
             split = kind == "input_only"
             dx, new, recs = cell.backward_with_records(
                 thetas[k], prepared, dy, [None] * len(sums) if split else sums, offset, seed,
@@ -193,7 +193,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
                 sums = [tf.zeros_like(v) for v in thetas[k].Flatten()
                         if cell_functions.is_trainable(v)]
             for prepared in prepared_inputs:
-                records[(k, prepared)] = split_records(k, cell, prepared, dy, sums, seeds[k])
+                records[(k, id(prepared))] = split_records(k, cell, prepared, dy, sums, seeds[k])
             for kind in PHASES:
                 calls[f"{kind}_{k}"] = make(kind, k, cell, prepared_inputs, dy, sums, seeds[k])
             xs = ys
