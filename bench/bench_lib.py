@@ -71,14 +71,16 @@ def _transformer_block_cls():
             shape = base_layer.to_shape(x_shape)
             flops, params = float(shape.num_elements()), 0
             saved = base_layer.activation_bytes(shape)  # The attention residual's sum.
+            metas = []
             for name, child in cls._children(p).items():
                 args = (shape,) * (3 if name == "atten" else 1)
-                meta = child.cls.FPropMeta(child, *args)
-                flops += meta.flops
-                params += meta.num_params
-                saved += base_layer.saved_activation_bytes(meta)
+                metas.append(child.cls.FPropMeta(child, *args))
+                flops += metas[-1].flops
+                params += metas[-1].num_params
+                saved += base_layer.saved_activation_bytes(metas[-1])
             return base_layer.fprop_meta(flops, shape, params, tf.float32,
-                                         saved_activation_bytes=saved)
+                                         saved_activation_bytes=saved,
+                                         weight_op_bytes=base_layer.weight_op_bytes(metas))
 
     return TransformerBlock
 

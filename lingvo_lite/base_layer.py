@@ -97,7 +97,8 @@ def extra_param_counts(metas: Any) -> dict[str, int]:
 def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                dtype: tf.DType = tf.float32, non_trainable_params: int = 0,
                training_only_params: int = 0,
-               saved_activation_bytes: int | None = None) -> NestedMap:
+               saved_activation_bytes: int | None = None,
+               weight_op_bytes: int | None = None) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -114,6 +115,10 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
       saved_activation_bytes: bytes of activations the layer keeps from its forward for
         its backward on the whole mini-batch (the planner's memory model); None: the
         default, `DEFAULT_SAVED_ACTIVATION_FACTOR` x out_bytes (`saved_activation_bytes()`).
+      weight_op_bytes: bytes of the inputs and output gradients of the ops that apply its
+        weights through `layers.weight_ops` (a matmul's input and output), for the whole
+        mini-batch: what a deferred weight gradient holds from B to W (zero-bubble, batched
+        weight gradients). None: not declared (the memory model then estimates it).
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -127,7 +132,28 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
     )
     if saved_activation_bytes is not None:
         meta.saved_activation_bytes = int(saved_activation_bytes)
+    if weight_op_bytes is not None:
+        meta.weight_op_bytes = int(weight_op_bytes)
     return meta
+
+
+def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
+    """The sum of the layers' declared `weight_op_bytes`; None if a layer with trainable
+    weights declared none (a composite layer cannot declare a complete sum).
+
+    >>> weight_op_bytes([fprop_meta(0, [2], num_params=3, weight_op_bytes=40),
+    ...                  fprop_meta(0, [2])])  # No weights: nothing to declare.
+    40
+    """
+    total = 0
+    for m in metas:
+        declared = m.get("weight_op_bytes")
+        if declared is None:
+            if int(m.num_params) > int(m.get("non_trainable_params", 0)):
+                return None
+            continue
+        total += int(declared)
+    return total
 
 
 class BaseLayer(tf.Module):
@@ -372,4 +398,5 @@ def _with_init(
 
 
 __all__ = ["BaseLayer", "fprop_meta", "activation_bytes", "saved_activation_bytes",
-    "extra_param_counts", "to_shape", "DEFAULT_SAVED_ACTIVATION_FACTOR", "EXTRA_PARAM_COUNTS"]
+    "extra_param_counts", "to_shape", "weight_op_bytes", "DEFAULT_SAVED_ACTIVATION_FACTOR",
+    "EXTRA_PARAM_COUNTS"]

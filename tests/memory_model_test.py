@@ -126,6 +126,54 @@ def test_receives_land_when_their_sender_ends():
     assert [m.received_early for m in mem] == [200, 0]
 
 
+def test_zero_bubble_holds_records_from_b_until_w():
+    # Each layer's weight ops hold 1,200 B of inputs and output gradients (1,200 / 4 = 300 per
+    # micro-batch and layer, 600 for cell 1's two). Cell 1's zero-bubble order: F0 B0 F1 B1 W0
+    # F2 B2 W1 ... At B1, micro-batch 1 is in flight (input 200 + saved 800) and micro-batch
+    # 0's records wait for W0; B's working set is as 1F1B's (output gradient 200, temporaries
+    # 400).
+    layers = [dataclasses.replace(LAYER, deferred_bytes=1200)] * 4
+    zero_bubble = schedule.make_schedule("zero_bubble", 2, 4)
+    mem = memory_model.device_memory(_two_cells(), layers, 800, zero_bubble, "never")[1]
+    assert mem.peak_action == schedule.Action(schedule.Phase.BACKWARD, 1, 1)
+    assert (mem.kept_activations, mem.working_activations) == (1000 + 600, 600)
+    # 1F1B computes the weight gradients in B: nothing waits.
+    one_f_one_b = schedule.make_schedule("1f1b", 2, 4)
+    assert memory_model.device_memory(_two_cells(), layers, 800, one_f_one_b,
+                                      "never")[1].kept_activations == 1000
+
+
+def test_batched_weight_gradients_hold_every_records_until_the_cells_w():
+    # GPipe, T = 4, weight_gradients='batched': after B0 (the last backward) all four
+    # micro-batches' records (4 x 600) wait, and the W concatenates them (one more copy).
+    layers = [dataclasses.replace(LAYER, deferred_bytes=1200)] * 4
+    gpipe = schedule.make_schedule("gpipe", 2, 4)
+    mem = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never",
+                                     batched_weight_grads=True)[1]
+    assert (mem.kept_activations, mem.working_activations) == (2400, 2400)
+    assert mem.peak_action is None  # The W after the cell's last backward.
+    # Per micro-batch (the default), the peak is B3's: 4 x 1000 kept, 600 working.
+    plain = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never")[1]
+    assert (plain.kept_activations, plain.working_activations) == (4000, 600)
+
+
+def test_deferred_bytes_from_the_layers_metas():
+    import tensorflow as tf
+
+    from lingvo_lite import base_layer
+    from lingvo_lite.layers import dense, normalization
+
+    proj = dense.ProjectionLayer.Params().Set(name="p", input_dim=4, output_dim=3)
+    norm = normalization.LayerNorm.Params().Set(name="n", input_dim=3)
+    metas = [proj.cls.FPropMeta(proj, [8, 4]), norm.cls.FPropMeta(norm, [8, 3]),
+             base_layer.fprop_meta(0, tf.TensorShape([8, 3]), num_params=5,
+                                   saved_activation_bytes=40)]
+    # The matmul's input (8 x 4 floats) and output gradient (8 x 3); layer norm's weights act
+    # element-wise (none); an undeclared layer with weights: its saved bytes and output.
+    assert [m.deferred_bytes for m in memory_model.layer_memory(metas)] == [
+        (32 + 24) * 4, 0, 40 + 96]
+
+
 def measure(model: str, configs: list[str]) -> list[list[int]]:
     """Per-device peaks of `model`'s pipeline for each K:R:T:schedule:remat config, measured
     by bench/device_memory.py in a child process (its workers are stopped there, by PID)."""

@@ -216,10 +216,17 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         # Kept for the backward: the Q, K, V projections, the softmax probabilities, the
         # context and the output projection.
         saved = (B * Tq * H + 2 * B * Tk * H + B * N * Tq * Tk + B * Tq * H + B * Tq * D)
+        # A deferred weight gradient holds each projection's input (query, and key and value
+        # unless shaped like it: self-attention passes one tensor) and output gradient, and
+        # the output projection's input (the context) and output gradient.
+        inputs = B * Tq * D + (0 if key == query and value == query else B * Tk * D + B * Tk * D)
+        weight_ops = inputs + (B * Tq * H + 2 * B * Tk * H) + (B * Tq * H + B * Tq * D)
+        size = tf.as_dtype(dtype).size
         return base_layer.fprop_meta(
             flops=flops,
             out_shapes=tf.TensorShape([B, Tq, D]),
             num_params=num_params,
             dtype=dtype,
-            saved_activation_bytes=saved * tf.as_dtype(dtype).size,
+            saved_activation_bytes=saved * size,
+            weight_op_bytes=weight_ops * size,
         )

@@ -101,9 +101,12 @@ def _conv_meta(
     outputs = b * out_h * out_w * out_channels
     flops = 2 * outputs * macs_per_output
     flops += outputs * (int(p.has_bias) + activations.activation_flops_per_element(p.activation))
+    dtype = p.fprop_dtype or p.dtype
+    # A deferred weight gradient holds the convolution's input and output gradient.
     return base_layer.fprop_meta(
-        flops, tf.TensorShape([b, out_h, out_w, out_channels]), num_params,
-        p.fprop_dtype or p.dtype,
+        flops, tf.TensorShape([b, out_h, out_w, out_channels]), num_params, dtype,
+        weight_op_bytes=base_layer.activation_bytes(shape, dtype) + base_layer.activation_bytes(
+            [b, out_h, out_w, out_channels], dtype),
     )
 
 
@@ -304,7 +307,8 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
         metas = composite.chain_meta(list(children.values()), shape)
         return base_layer.fprop_meta(
             sum(m.flops for m in metas), metas[-1].out_shapes,
-            sum(m.num_params for m in metas), p.fprop_dtype or p.dtype)
+            sum(m.num_params for m in metas), p.fprop_dtype or p.dtype,
+            weight_op_bytes=base_layer.weight_op_bytes(metas))
 
 
 __all__ = ["Conv2DLayer", "DepthwiseConv2DLayer", "SeparableConv2DLayer", "conv_output_size",

@@ -90,9 +90,12 @@ class ProjectionLayer(base_layer.BaseLayer):
         dtype = p.fprop_dtype or p.dtype
         # For the backward it keeps its output (the activation's gradient needs it; matmul,
         # bias and activation run fused); its input is the previous layer's output.
-        saved = outputs * tf.as_dtype(dtype).size
+        size = tf.as_dtype(dtype).size
+        saved = outputs * size
+        # A deferred weight gradient holds the matmul's input and its output's gradient.
         return base_layer.fprop_meta(flops, out_shape, num_params, dtype,
-                                     saved_activation_bytes=saved)
+                                     saved_activation_bytes=saved,
+                                     weight_op_bytes=(rows * p.input_dim + outputs) * size)
 
 
 class FCLayer(ProjectionLayer):

@@ -100,4 +100,5 @@ class EmbeddingLayer(base_layer.BaseLayer):
         # A gather does no arithmetic; scaling costs one multiply per output element.
         flops = out_shape.num_elements() if p.scale_sqrt_depth else 0
         return base_layer.fprop_meta(flops, out_shape, p.vocab_size * p.embedding_dim,
-                                     p.fprop_dtype or p.dtype)
+                                     p.fprop_dtype or p.dtype,
+                                     weight_op_bytes=0)  # A lookup: its gradient is in B.

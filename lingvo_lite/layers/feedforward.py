@@ -94,7 +94,8 @@ class FeedForwardLayer(base_layer.BaseLayer):
             flops += shape.num_elements()
             saved += base_layer.activation_bytes(shape, dtype)
         return base_layer.fprop_meta(flops, shape, num_params, dtype,
-                                     saved_activation_bytes=saved)
+                                     saved_activation_bytes=saved,
+                                     weight_op_bytes=base_layer.weight_op_bytes(metas))
 
 
 __all__ = ["FeedForwardLayer"]

@@ -473,8 +473,9 @@ class KerasLayer(base_layer.BaseLayer):
             out.Set(p.field, out_shape)
         else:
             out = out_shape
+        # Keras applies its own weights: their gradients are never deferred (weight_ops).
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
-                                     non_trainable_params=non_trainable)
+                                     non_trainable_params=non_trainable, weight_op_bytes=0)
 
 
 def iter_keras_layers(layers: Any) -> Iterator[keras.layers.Layer]:

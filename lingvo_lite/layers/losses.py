@@ -162,4 +162,7 @@ class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
             num_examples=scalar,
             accuracy=scalar,
         )
-        return base_layer.fprop_meta(flops, out_shapes, num_params, tf.float32)
+        # A deferred weight gradient holds the projection's input and the logits' gradient.
+        size = tf.as_dtype(p.fprop_dtype or p.dtype).size
+        return base_layer.fprop_meta(flops, out_shapes, num_params, tf.float32,
+                                     weight_op_bytes=n * (p.input_dim + p.num_classes) * size)

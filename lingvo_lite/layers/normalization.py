@@ -173,6 +173,7 @@ class BatchNormLayer(base_layer.BaseLayer):
             out_shapes=shape,
             num_params=4 * p.dim,
             dtype=p.fprop_dtype or p.dtype,
+            weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
             non_trainable_params=2 * p.dim,  # moving_mean, moving_variance
         )
 
@@ -224,4 +225,5 @@ class LayerNorm(base_layer.BaseLayer):
             out_shapes=shape,
             num_params=2 * p.input_dim,
             dtype=p.fprop_dtype or p.dtype,
+            weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
         )

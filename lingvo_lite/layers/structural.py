@@ -84,7 +84,8 @@ class FieldLayer(base_layer.BaseLayer):
         out.Set(p.output_field or p.field, meta.out_shapes[0])
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta))
+                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta),
+                                     weight_op_bytes=meta.get("weight_op_bytes"))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -154,4 +155,5 @@ class FieldsLayer(base_layer.BaseLayer):
             out.Set(p.output_field, stored)
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta))
+                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta),
+                                     weight_op_bytes=meta.get("weight_op_bytes"))

@@ -11,7 +11,12 @@ the `Executor` walks the schedule's actions in a dependency-respecting order and
 - B(k, t): for a kept micro-batch, the gradient of that tape, then one call that adds the weight
   gradients to the cell's running sums; otherwise one call of cell k's backward function, which
   re-runs the forward (it waits for the upstream gradient: a call starts once all its inputs
-  exist), differentiates it and adds the weight gradients to the sums.
+  exist), differentiates it and adds the weight gradients to the sums;
+- W(k, t), in a schedule that splits the backward (zero-bubble): B defers the weight gradients
+  of the ops that apply weights through `layers.weight_ops` and keeps their records (each op's
+  input and output gradient); W is one call that computes those weight gradients from the
+  records and adds them to the sums. With `batched_weight_grads` every B defers the same way
+  and one W per cell, after its last backward, takes all micro-batches' records at once.
 
 Every action of cell k waits (control dependencies) for the previous action of cell k in the
 schedule's per-cell order, so the schedule object is what actually runs, and different cells

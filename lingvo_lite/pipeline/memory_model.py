@@ -29,7 +29,13 @@ is the sum of
 * received early (given the schedule's simulated `timeline`): inputs and output gradients that
   have landed and wait for the device's order to reach them. A receive lands when its sender
   finishes: under 1F1B a device gets the next micro-batch's input while still running the
-  backward before.
+  backward before;
+* deferred weight gradients (zero-bubble's split backward, `weight_gradients='batched'`): from
+  a micro-batch's B until its W (batched: the cell's one W after its last backward), the
+  records of the ops that apply weights through `layers.weight_ops`, each op's input and
+  output gradient (`LayerMemory.deferred_bytes`: the layer's declared `weight_op_bytes`, else
+  its saved activations and output for a layer with trainable weights, an upper estimate).
+  The batched W concatenates all T micro-batches' records, one more copy while it runs.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
@@ -86,6 +92,9 @@ class LayerMemory:
     # Gradient temporaries while back-propagating through it; None: the default estimate,
     # max(GRADIENT_TEMPORARIES x out_bytes, SAVED_GRADIENT_FRACTION x saved_bytes).
     backward_temporary_bytes: int | None = None
+    # What a deferred weight gradient holds from B to W (its weight ops' inputs and output
+    # gradients).
+    deferred_bytes: int = 0
 
     @property
     def temporaries(self) -> int:
@@ -100,11 +109,16 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
     out = []
     for m in metas:
         trainable = int(m.num_params) - int(m.get("non_trainable_params", 0))
+        saved = base_layer.saved_activation_bytes(m)
+        deferred = m.get("weight_op_bytes")
+        if deferred is None:  # Not declared: an upper estimate.
+            deferred = saved + int(m.out_bytes) if trainable > 0 else 0
         out.append(LayerMemory(param_bytes=int(m.num_params) * param_bytes_per_element,
                                trainable_bytes=trainable * param_bytes_per_element,
                                out_bytes=int(m.out_bytes),
-                               saved_bytes=base_layer.saved_activation_bytes(m),
-                               backward_temporary_bytes=m.get("backward_temporary_bytes")))
+                               saved_bytes=saved,
+                               backward_temporary_bytes=m.get("backward_temporary_bytes"),
+                               deferred_bytes=int(deferred)))
     return out
 
 
@@ -152,7 +166,8 @@ class DeviceMemory:
 def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                   input_bytes: int, sched: schedule_lib.Schedule, remat: str,
                   num_slots: int = 1,
-                  timeline: simulator.SimulatedStep | None = None) -> list[DeviceMemory]:
+                  timeline: simulator.SimulatedStep | None = None,
+                  batched_weight_grads: bool = False) -> list[DeviceMemory]:
     """Each device's predicted peak (one `DeviceMemory` per cell, not summed).
 
     Args:
@@ -167,6 +182,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         ends, not when the device's own order reaches it (in 1F1B a device gets the next
         micro-batch's input while still running the backward before). Counted at the end of
         each of its actions; without a timeline, nothing arrives early.
+      batched_weight_grads: `weight_gradients='batched'`: each backward's deferred weight
+        gradients wait for the cell's one W after its last backward.
     """
     if len(layers) != part.num_layers:
         raise ValueError(f"device_memory got {len(layers)} layers for a partition of "
@@ -176,6 +193,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                          f"{part.num_cells}.")
     num_micro = sched.num_micro_batches
     recomputed = remat_lib.recomputed_actions(sched, remat)
+    batched = batched_weight_grads and num_micro > 1 and not sched.splits_backward
     out = []
     for k, (a, b) in enumerate(part.cell_layer_ranges):
         cell = list(layers[a:b])
@@ -203,6 +221,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                      + boundary_out)
         # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
         kept_input = 0.0 if k == 0 else boundary_in
+        records = (sum(m.deferred_bytes for m in cell) / num_micro
+                   if sched.splits_backward or batched else 0.0)
         kept = 0.0
         in_flight = peak_in_flight = 0
         peak = (0.0, 0.0, None, 0.0)
@@ -227,14 +247,22 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                 in_flight += 1
                 working = forward_work if backward in recomputed else 0.0
                 now = (kept, working, action, early)
-            else:
-                # A kept micro-batch's activations are already in `kept`.
+            elif action.phase is Phase.BACKWARD:
+                # A kept micro-batch's activations are already in `kept`; its records stay
+                # until its W.
                 working = call_work if action in recomputed else backward_work - saved
                 now = (kept, working, action, early)
-                kept -= stash.pop(t)
+                kept += records - stash.pop(t)
                 in_flight -= 1
+            else:
+                now = (kept, 0.0, action, early)
+                kept -= records
             peak_in_flight = max(peak_in_flight, in_flight)
             if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
+                peak = now
+        if batched:  # The cell's W: all T micro-batches' records, and their concatenation.
+            now = (kept, records * num_micro, None, 0.0)
+            if now[0] + now[1] > peak[0] + peak[1] + peak[3]:
                 peak = now
         out.append(DeviceMemory(
             cell=k, weights=weights, gradients=gradients, optimizer_slots=num_slots * trainable,

@@ -46,13 +46,12 @@ from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.training.options import UsageError
 from lingvo_lite.training.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
 
+# The schedules whose time and memory the models here describe. Not yet: 'interleaved' (the
+# search has no virtual_stages axis).
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 # Achieved (not peak) dense throughput of one accelerator when --plan_device_flops is not
 # given: 50 TFLOP/s, about a V100's or TPU v3 core's mixed-precision matmul rate in practice.
 # Only the ranking's transfer and overhead terms depend on it.
-# The schedules whose time and memory the models here describe. Not yet: 'interleaved' (the
-# search has no virtual_stages axis) and 'zero_bubble' (its W re-runs the cell's forward in
-# this executor, which the simulator's phase costs do not charge).
-PLANNED_SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_DEVICE_FLOPS = 50e12
 # Bytes/s between neighbouring devices (boundary activations, gradient all-reduce).
 DEFAULT_LINK_BYTES_PER_S = 25e9
@@ -145,10 +144,10 @@ def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
 
 def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
                    input_bytes: int, sched: schedule_lib.Schedule, remat: str, num_slots: int,
-                   num_replicas: int,
-                   step: simulator.SimulatedStep) -> list[memory_model.DeviceMemory]:
+                   num_replicas: int, step: simulator.SimulatedStep,
+                   batched_weight_grads: bool) -> list[memory_model.DeviceMemory]:
     mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots,
-                                     timeline=step)
+                                     timeline=step, batched_weight_grads=batched_weight_grads)
     if num_replicas > 1:  # The all-reduced gradient beside the local one.
         mem = [dataclasses.replace(m, gradients=m.gradients
                                    + sum(x.trainable_bytes for x in layers[a:b]))
@@ -176,7 +175,8 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
                          num_micro_batches, DEFAULT_DEVICE_FLOPS, DEFAULT_LINK_BYTES_PER_S)
     return _device_memory(part, layers, base_layer.activation_bytes(q.input_shapes), sched,
                           remat, num_slots, num_replicas,
-                          simulator.simulate(sched, costs, remat=remat))
+                          simulator.simulate(sched, costs, remat=remat),
+                          p.weight_gradients == "batched")
 
 
 def global_batch_size(p: hyperparams.Params) -> int:
@@ -255,7 +255,8 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                         seen_remat.add(recomputed)
                         step = simulator.simulate(sched, costs, remat=remat)
                         mem = _device_memory(part, layers, input_bytes, sched, remat,
-                                             num_slots, r, step)
+                                             num_slots, r, step,
+                                             p.weight_gradients == "batched")
                         plan = Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem))
                         (fitting if plan.peak_bytes <= budget else too_big).append(plan)
 

@@ -125,6 +125,11 @@ class ShapeWiring:
         return sum(m.num_params for m in self.metas)
 
     @property
+    def weight_op_bytes(self) -> int | None:
+        """What the children's deferred weight gradients hold (`base_layer.weight_op_bytes`)."""
+        return base_layer.weight_op_bytes(self.metas)
+
+    @property
     def saved_bytes(self) -> int:
         """Bytes the backward reads: every value an op's gradient needs, once, and what the
         children keep inside themselves."""
@@ -142,7 +147,8 @@ class ShapeWiring:
         ends = {id(v): self._kept.get(id(v), 0) for v in (inputs, output)}
         meta = base_layer.fprop_meta(self.flops, output, self.num_params, self._dtype,
                                      **self.extra_param_counts(),
-                                     saved_activation_bytes=self.saved_bytes)
+                                     saved_activation_bytes=self.saved_bytes,
+                                     weight_op_bytes=self.weight_op_bytes)
         meta.update(kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
                     kept_inside_bytes=self.saved_bytes - sum(ends.values()))
         return meta

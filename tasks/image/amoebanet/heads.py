@@ -81,7 +81,8 @@ class StemLayer(base_layer.BaseLayer):
         out.x = cls._wire(wiring, tf.TensorShape(shapes[p.image_key]))
         return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
-                                     saved_activation_bytes=wiring.saved_bytes)
+                                     saved_activation_bytes=wiring.saved_bytes,
+                                     weight_op_bytes=wiring.weight_op_bytes)
 
 
 def _per_example_correct(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
@@ -181,7 +182,9 @@ class AuxHeadLayer(base_layer.BaseLayer):
         non_trainable = wiring.extra_param_counts()["non_trainable_params"]
         return base_layer.fprop_meta(flops, out, num_params, dtype_of(p),
                                      non_trainable_params=non_trainable,
-                                     training_only_params=num_params - non_trainable)
+                                     training_only_params=num_params - non_trainable,
+                                     weight_op_bytes=base_layer.weight_op_bytes(
+                                         wiring.metas + [soft_meta]))
 
 
 class HeadLayer(base_layer.BaseLayer):
@@ -274,4 +277,5 @@ class HeadLayer(base_layer.BaseLayer):
         if p.aux_weight > 0:
             out.aux_loss = scalar
             out.aux_accuracy = scalar
-        return base_layer.fprop_meta(flops, out, soft_meta.num_params, tf.float32)
+        return base_layer.fprop_meta(flops, out, soft_meta.num_params, tf.float32,
+                                     weight_op_bytes=soft_meta.get("weight_op_bytes"))
