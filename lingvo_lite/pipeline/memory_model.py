@@ -207,22 +207,26 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         saved = sum(m.saved_bytes for m in cell) / num_micro
         # A forward whose activations are not kept holds about one layer's at a time.
         forward_work = max((m.saved_bytes for m in cell), default=0) / num_micro
+        defer = sched.splits_backward or batched
+        records = sum(m.deferred_bytes for m in cell) / num_micro if defer else 0.0
         # Back-propagating through layer j: the saved activations of layers up to j, plus
-        # j's gradient temporaries; the worst j is the cell's backward working set.
+        # j's gradient temporaries, plus (deferring) the records of the layers after j, which
+        # stay; the worst j is the cell's backward working set.
         backward_work = 0.0
-        below = saved
+        below, after = saved, 0.0
         for m in reversed(cell):
-            backward_work = max(backward_work, below + m.temporaries / num_micro)
+            backward_work = max(backward_work, below + m.temporaries / num_micro + after)
             below -= m.saved_bytes / num_micro
+            after += m.deferred_bytes / num_micro if defer else 0.0
         backward_work += boundary_out
         # A re-computing backward is one call, which holds all it re-computed until it
-        # returns (the inline backward of a kept micro-batch frees layer by layer).
+        # returns (the inline backward of a kept micro-batch frees layer by layer); deferring,
+        # also the records' output gradients (their inputs are among what it re-computed):
+        # about half their bytes, a weight op's input and output being of similar size.
         call_work = (saved + max((m.temporaries for m in cell), default=0) / num_micro
-                     + boundary_out)
+                     + boundary_out + records / 2)
         # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
         kept_input = 0.0 if k == 0 else boundary_in
-        records = (sum(m.deferred_bytes for m in cell) / num_micro
-                   if sched.splits_backward or batched else 0.0)
         kept = 0.0
         in_flight = peak_in_flight = 0
         peak = (0.0, 0.0, None, 0.0)
