@@ -1,8 +1,10 @@
 """One cell's work as functions traced once and called once per micro-batch.
 
-A cell runs three bodies: the forward, the backward of a re-materialised action (re-run the
-forward under a tape, differentiate it, add the weight gradients to the running sums) and the
-gradient sum of an action that kept its activations. `CellFunctions` builds each as a
+A cell runs four bodies: the forward, the backward of a re-materialised action (re-run the
+forward under a tape, differentiate it, add the weight gradients to the running sums; or, as the
+B of a split backward, leave the weight gradients of `layers.weight_ops` to W and return their
+records), W (those weight gradients from the records) and the gradient sum of an action that kept
+its activations. `CellFunctions` builds each as a
 `tf.function` that is traced once per input signature and called T times, so a step's graph holds
 O(layers + cells x micro-batches) ops instead of O(layers x micro-batches), and its start-up time
 stops growing with T. The calls are never inlined (`tf_private.NO_INLINE`): each call is one
@@ -362,7 +364,6 @@ class CellFunctions:
 
     def backward(self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
                  example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
-                 need_weight_grads: bool = True, family: str = op_names.BPROP,
                  packed: tuple[int, ...] = (),
                  defer_weight_grads: bool = False) -> tuple[list[Any], list[Any]]:
         """Re-runs the forward on `x` under a tape and differentiates it with `dy`.
@@ -378,9 +379,6 @@ class CellFunctions:
             dropout masks).
           need_dx: also return the gradient of every float leaf of x (cell 0 needs it only
             when the caller asked for input gradients).
-          need_weight_grads: add the weight gradients to `grad_sums` (False: the B of a
-            split backward, whose W comes later).
-          family: the function's name in op names: 'bprop', or 'wgrad' for a W action.
           packed: positions (among the trainable leaves) of weights whose gradients are summed
             in one flat vector (`pack_gradients`); the sums are then that vector followed by
             the other leaves' sums. A loop carries one tensor instead of many small ones.
@@ -392,29 +390,27 @@ class CellFunctions:
 
         Returns:
           (dx, new_grad_sums): dx per leaf of x (None for non-float leaves, [] if not
-          needed) and the sums plus this micro-batch's weight gradients ([] if not needed).
+          needed) and the sums plus this micro-batch's weight gradients.
         """
         dx, sums, _ = self.backward_with_records(
-            theta, x, dy, grad_sums, example_offset, step_seed, need_dx, need_weight_grads,
-            family, packed, defer_weight_grads)
+            theta, x, dy, grad_sums, example_offset, step_seed, need_dx, packed,
+            defer_weight_grads)
         return dx, sums
 
     def backward_with_records(
             self, theta: NestedMap, x: CallInput, dy: Any, grad_sums: list[Any],
             example_offset: tf.Tensor, step_seed: CallInput, need_dx: bool,
-            need_weight_grads: bool = True, family: str = op_names.BPROP,
             packed: tuple[int, ...] = (), defer_weight_grads: bool = False,
     ) -> tuple[list[Any], list[Any], list[weight_ops.Record]]:
         """`backward`, plus the records of deferred weight gradients (with
         `defer_weight_grads`; else [])."""
         ctx = _Context(bool(fprop_context.current().training), fprop_context.current().batch_dim,
                        False)
-        key = (ctx, need_dx, need_weight_grads, family, packed, defer_weight_grads)
+        key = (ctx, need_dx, packed, defer_weight_grads)
         if key not in self._backward:
             self._backward[key] = _TracedOnce(
-                lambda *a: self._backward_body(ctx, need_dx, need_weight_grads, family, packed,
-                                               defer_weight_grads, *a),
-                self._name(family), self._traced)
+                lambda *a: self._backward_body(ctx, need_dx, packed, defer_weight_grads, *a),
+                self._name(op_names.BPROP), self._traced)
         args = self._arguments(theta, x, example_offset, step_seed)
         dy_leaves = flatten(dy)
         if self._traced:
@@ -425,19 +421,17 @@ class CellFunctions:
         return (flat[:num_dx], flat[num_dx:num_dx + num_sums],
                 [r.with_tensors(next(pairs), next(pairs)) for r in records])
 
-    def _backward_body(self, ctx: _Context, need_dx: bool, need_weight_grads: bool,
-                       family: str, packed: tuple[int, ...], defer_weight_grads: bool,
-                       structure: Any, theta_leaves: list[Any],
+    def _backward_body(self, ctx: _Context, need_dx: bool, packed: tuple[int, ...],
+                       defer_weight_grads: bool, structure: Any, theta_leaves: list[Any],
                        x_leaves: list[Any], offset: Any, seed_leaves: list[Any],
                        dy_leaves: list[Any], grad_sums: list[Any]) -> tuple[list[Any], Any]:
         del structure  # Only tells traces apart.
         theta, x, offset, seed = self._unpack_arguments(theta_leaves, x_leaves, offset,
                                                         seed_leaves)
-        sources = ([v for v in theta.Flatten() if is_trainable(v)]
-                   if need_weight_grads or defer_weight_grads else [])
+        sources = [v for v in theta.Flatten() if is_trainable(v)]
         deferral = (weight_ops.deferring(sources) if defer_weight_grads
                     else contextlib.nullcontext(None))
-        with self._scope(family), deferral as stash:
+        with self._scope(op_names.BPROP), deferral as stash:
             x_sources = [v for v in flatten(x) if is_float(v)] if need_dx else []
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
@@ -455,11 +449,7 @@ class CellFunctions:
             dx = ([next(dx_iter) if is_float(v) else None for v in flatten(x)]
                   if need_dx else [])
             weight_grads = pack_gradients(grads[len(x_sources):], packed)
-            if defer_weight_grads:
-                sums = add_gradients(grad_sums, weight_grads)
-            elif not need_weight_grads:
-                sums = []
-            elif grad_sums:
+            if defer_weight_grads or grad_sums:
                 sums = add_gradients(grad_sums, weight_grads)
             else:  # The cell's first weight gradient: it is the sum so far.
                 sums = [tf.convert_to_tensor(g) for g in weight_grads]
