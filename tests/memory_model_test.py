@@ -137,6 +137,7 @@ def test_zero_bubble_holds_records_from_b_until_w():
     mem = memory_model.device_memory(_two_cells(), layers, 800, zero_bubble, "never")[1]
     assert mem.peak_action == schedule.Action(schedule.Phase.BACKWARD, 1, 1)
     assert (mem.kept_activations, mem.working_activations) == (1000 + 600, 600)
+    assert mem.waiting_records == 600
     # 1F1B computes the weight gradients in B: nothing waits.
     one_f_one_b = schedule.make_schedule("1f1b", 2, 4)
     assert memory_model.device_memory(_two_cells(), layers, 800, one_f_one_b,
@@ -151,6 +152,7 @@ def test_batched_weight_gradients_hold_every_records_until_the_cells_w():
     mem = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never",
                                      batched_weight_grads=True)[1]
     assert (mem.kept_activations, mem.working_activations) == (2400, 2400)
+    assert mem.waiting_records == 2400
     assert mem.peak_action is None  # The W after the cell's last backward.
     # Per micro-batch (the default), the peak is B3's: 4 x 1000 kept, 600 working.
     plain = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never")[1]

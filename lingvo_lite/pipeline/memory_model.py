@@ -152,6 +152,8 @@ class DeviceMemory:
     peak_action: schedule_lib.Action | None
     # Inputs and output gradients received at the peak but not yet used (with a timeline).
     received_early: int = 0
+    # Of kept_activations: deferred weight gradients' records waiting for their W.
+    waiting_records: int = 0
 
     @property
     def total(self) -> int:
@@ -229,8 +231,9 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         kept_input = 0.0 if k == 0 else boundary_in
         kept = 0.0
         in_flight = peak_in_flight = 0
-        peak = (0.0, 0.0, None, 0.0)
+        peak = (0.0, 0.0, None, 0.0, 0.0)  # (kept, working, action, early, waiting records)
         stash: dict[int, float] = {}
+        waiting = 0.0
         inputs_landed = _landing_times(timeline, Phase.FORWARD, k - 1, num_micro)
         gradients_landed = _landing_times(timeline, Phase.BACKWARD, k + 1, num_micro)
         forwards = backwards = 0
@@ -250,29 +253,32 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                 kept += stash[t]
                 in_flight += 1
                 working = forward_work if backward in recomputed else 0.0
-                now = (kept, working, action, early)
+                now = (kept, working, action, early, waiting)
             elif action.phase is Phase.BACKWARD:
                 # A kept micro-batch's activations are already in `kept`; its records stay
                 # until its W.
                 working = call_work if action in recomputed else backward_work - saved
-                now = (kept, working, action, early)
+                now = (kept, working, action, early, waiting)
                 kept += records - stash.pop(t)
+                waiting += records
                 in_flight -= 1
             else:
-                now = (kept, 0.0, action, early)
+                now = (kept, 0.0, action, early, waiting)
                 kept -= records
+                waiting -= records
             peak_in_flight = max(peak_in_flight, in_flight)
             if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
                 peak = now
         if batched:  # The cell's W: all T micro-batches' records, and their concatenation.
-            now = (kept, records * num_micro, None, 0.0)
+            now = (kept, records * num_micro, None, 0.0, waiting)
             if now[0] + now[1] > peak[0] + peak[1] + peak[3]:
                 peak = now
         out.append(DeviceMemory(
             cell=k, weights=weights, gradients=gradients, optimizer_slots=num_slots * trainable,
             inputs=int(input_bytes) if k == 0 else 0, kept_activations=int(round(peak[0])),
             working_activations=int(round(peak[1])), peak_in_flight=peak_in_flight,
-            peak_action=peak[2], received_early=int(round(peak[3]))))
+            peak_action=peak[2], received_early=int(round(peak[3])),
+            waiting_records=int(round(peak[4]))))
     return out
 
 

@@ -238,6 +238,8 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                 costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
                 seen_orders = set()
                 for name in schedules:
+                    if name == "zero_bubble" and k == 1:
+                        continue  # No bubble to fill: only the records' memory would change.
                     try:
                         sched = schedule_lib.make_schedule(name, k, t)
                     except ValueError:  # E.g. a T the schedule does not take.
@@ -299,14 +301,14 @@ def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> st
 def _row(i: int, plan: Plan, budget: int) -> str:
     b = plan.step.breakdown()
     return (f"{i:>3}  {plan.num_cells:>3} {plan.num_replicas:>3} {plan.num_micro_batches:>4}  "
-            f"{plan.schedule:<5} {plan.remat:<11} {plan.examples_per_s:>12,.1f} "
+            f"{plan.schedule:<11} {plan.remat:<11} {plan.examples_per_s:>12,.1f} "
             f"{plan.step_time * 1e3:>9.3f}  {b.bubble:>6.1%} {b.load_imbalance:>6.1%} "
             f"{b.recompute:>6.1%} {plan.all_reduce_time / plan.step_time:>6.1%}  "
             f"{format_bytes(plan.peak_bytes):>10} {plan.peak_bytes / budget:>5.0%}")
 
 
-_HEADER = ("  #    K   R    T  sched remat        examples/s   step ms  bubble  imbal  recomp "
-           " allred    peak/dev  of budget")
+_HEADER = ("  #    K   R    T  schedule    remat        examples/s   step ms  bubble  imbal  "
+           "recomp  allred    peak/dev  of budget")
 
 
 def _memory_lines(plan: Plan) -> list[str]:
@@ -316,8 +318,10 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"    device {m.cell}: {format_bytes(m.total):>10} = weights "
             f"{format_bytes(m.weights)} + grads {format_bytes(m.gradients)} + optimizer "
             f"{format_bytes(m.optimizer_slots)} + input {format_bytes(m.inputs)} + kept "
-            f"activations {format_bytes(m.kept_activations)} ({m.peak_in_flight} in flight) + "
-            f"working {format_bytes(m.working_activations)}"
+            f"activations {format_bytes(m.kept_activations)} ({m.peak_in_flight} in flight"
+            + (f"; {format_bytes(m.waiting_records)} of it weight-gradient records waiting "
+               "for W" if m.waiting_records else "")
+            + f") + working {format_bytes(m.working_activations)}"
             + (f" + received early {format_bytes(m.received_early)}" if m.received_early
                else ""))
     return lines
