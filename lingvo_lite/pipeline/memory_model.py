@@ -35,7 +35,10 @@ is the sum of
   records of the ops that apply weights through `layers.weight_ops`, each op's input and
   output gradient (`LayerMemory.deferred_bytes`: the layer's declared `weight_op_bytes`, else
   its saved activations and output for a layer with trainable weights, an upper estimate).
-  The batched W concatenates all T micro-batches' records, one more copy while it runs.
+  While a kept micro-batch's inline backward runs, the records of the layers it has passed pile
+  up beside the activations not yet freed; a re-computing backward's call holds them among
+  what it re-computed. The batched W concatenates all T micro-batches' records, one more copy
+  while it runs.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
