@@ -109,17 +109,6 @@ def deferring(weights: Sequence[Any]) -> Iterator[Stash]:
         _local.stack = _local.stack[:-1]
 
 
-@contextlib.contextmanager
-def not_deferring() -> Iterator[None]:
-    """Inside, ops compute their weight gradients as usual (e.g. in W itself)."""
-    saved = getattr(_local, "stack", [])
-    _local.stack = []
-    try:
-        yield
-    finally:
-        _local.stack = saved
-
-
 def apply(op: WeightOp, x: Any, w: Any, **attrs: Any) -> tf.Tensor:
     """`op(x, w, **attrs)`, whose weight gradient is deferred inside `deferring`.
 
@@ -151,15 +140,13 @@ def weight_gradients(records: Sequence[Record],
     """The weight gradient the records stand for, per weight of the `deferring` context (None
     where no record names it): TensorFlow's gradient of each record's op, summed per weight."""
     out: list[tf.Tensor | None] = [None] * len(weights)
-    with not_deferring():
-        for r in records:
-            w = weights[r.weight]
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(w)
-                y = r.op(r.x, w, **dict(r.attrs))
-            g = tape.gradient(y, w, output_gradients=r.dy)
-            g = tf.convert_to_tensor(g)
-            out[r.weight] = g if out[r.weight] is None else out[r.weight] + g
+    for r in records:  # r.op is the plain op (never `apply`): nothing here is deferred.
+        w = weights[r.weight]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(w)
+            y = r.op(r.x, w, **dict(r.attrs))
+        g = tf.convert_to_tensor(tape.gradient(y, w, output_gradients=r.dy))
+        out[r.weight] = g if out[r.weight] is None else out[r.weight] + g
     return out
 
 
@@ -234,5 +221,5 @@ def _dot_last_axis(x: tf.Tensor, w: Any) -> tf.Tensor:
     return tf.tensordot(x, w, axes=[[-1], [0]])
 
 
-__all__ = ["Record", "Stash", "deferring", "not_deferring", "apply", "weight_gradients",
+__all__ = ["Record", "Stash", "deferring", "apply", "weight_gradients",
            "concatenate", "matmul", "einsum", "conv2d", "depthwise_conv2d", "dot_last_axis"]

@@ -461,22 +461,18 @@ class CellFunctions:
                         grad_sums: list[Any]) -> list[Any]:
         """W: the weight gradients that `records` stand for, added to `grad_sums` (one entry
         per trainable leaf of theta, None where nothing was added yet), as one call."""
-        static = tuple(r.static() for r in records)
-        key = static
-        if key not in self._weight_gradient:
-            self._weight_gradient[key] = _TracedOnce(
-                lambda *a: self._weight_gradient_body(static, *a),
-                self._name(op_names.WGRAD), self._traced)
+        static = tuple(r.static() for r in records)  # Also tells traces apart.
+        if static not in self._weight_gradient:
+            self._weight_gradient[static] = _TracedOnce(
+                self._weight_gradient_body, self._name(op_names.WGRAD), self._traced)
         pairs = [_to_call_argument(t) if self._traced else t
                  for r in records for t in (r.x, r.dy)]
-        flat, _ = self._call(self._weight_gradient[key], static, theta.Flatten(), pairs,
+        flat, _ = self._call(self._weight_gradient[static], static, theta.Flatten(), pairs,
                              list(grad_sums))
         return flat
 
-    def _weight_gradient_body(self, static: tuple[Any, ...], structure: Any,
-                              theta_leaves: list[Any], pairs: list[Any],
-                              grad_sums: list[Any]) -> tuple[list[Any], Any]:
-        del structure  # Only tells traces apart.
+    def _weight_gradient_body(self, static: tuple[Any, ...], theta_leaves: list[Any],
+                              pairs: list[Any], grad_sums: list[Any]) -> tuple[list[Any], Any]:
         sources = [v for v in theta_leaves if is_trainable(v)]
         records = [weight_ops.Record(*s, x=pairs[2 * i], dy=pairs[2 * i + 1])
                    for i, s in enumerate(static)]
