@@ -11,11 +11,12 @@ the received copies are counted where they land, as on accelerators.
         peaks = device_memory.measure_step(cluster, layers, shapes, make_batch, 4, 8,
                                            "gpipe", "except_last")
 
-or, for a registered model's first PipeliningLayer, one config per K:R:T:schedule:remat
-(prints {"peak_bytes": [[device peaks of config 1], ...]}):
+or, for a registered model's first PipeliningLayer, one config per K:R:T:schedule:remat[:v]
+(K cells, v of them per device with the interleaved schedule; prints {"peak_bytes": [[device
+peaks of config 1], ...]}):
 
     python bench/device_memory.py measure --model=image.AmoebaNetDigits \
-        --configs=2:1:4:1f1b:always,1:2:1:gpipe:never
+        --configs=2:1:4:1f1b:always,1:2:1:gpipe:never,4:1:4:interleaved:never:2
 
 `peaks[k]` is the median over MEASURED_STEPS training steps of device k's peak in the step
 (forward, backward and the update of `lingvo_lite.optimizers`, momentum SGD unless the
@@ -112,17 +113,20 @@ class Cluster:
 
 def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                  num_micro_batches: int, schedule: str, remat: str, num_replicas: int = 1,
-                 optimizer=None) -> list[int]:
-    """Peak bytes of each of the R x K devices in one training step (module docstring);
-    `optimizer` (lingvo_lite.optimizers params) defaults to SGD with momentum 0.9."""
+                 optimizer=None, virtual_stages: int = 1) -> list[int]:
+    """Peak bytes of each of the R x K / v devices in one training step (module docstring; v:
+    cells per device, interleaved); `optimizer` (lingvo_lite.optimizers params) defaults to SGD
+    with momentum 0.9."""
     import bench_lib
 
     def build(placement):
         return bench_lib.make_pipeline(layers, shapes, num_cells, num_micro_batches, remat,
                                        schedule=schedule, placement=placement,
-                                       num_replicas=num_replicas)
+                                       num_replicas=num_replicas,
+                                       virtual_stages=virtual_stages)
 
-    return _measure(cluster, build, make_batch(), num_cells * num_replicas, optimizer)
+    return _measure(cluster, build, make_batch(), num_cells // virtual_stages * num_replicas,
+                    optimizer)
 
 
 def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None) -> list[int]:
@@ -213,9 +217,9 @@ _INT_FIELDS = ("labels", "label", "ids", "src_ids", "tgt_ids", "tgt_labels")
 
 def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: int,
                   num_micro_batches: int, schedule: str, remat: str,
-                  model_params_override: str = "") -> list[int]:
+                  model_params_override: str = "", virtual_stages: int = 1) -> list[int]:
     """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
-    updated by the task's optimizer."""
+    updated by the task's optimizer (`virtual_stages` cells per device: interleaved)."""
     from lingvo_lite import model_registry
     from lingvo_lite.training import model_config, options
 
@@ -224,12 +228,14 @@ def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: in
         model=model, mode="inspect_model", model_params_override=model_params_override,
         num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=num_micro_batches))
     _, pp = next(iter(model_config.iter_pipelining_params(config.task_params)))
-    pp = pp.Copy().Set(schedule=schedule, remat=remat, name=pp.name or "network")
+    pp = pp.Copy().Set(schedule=schedule, remat=remat, name=pp.name or "network",
+                       virtual_stages=virtual_stages)
 
     def build(placement):
         return pp.Copy().Set(placement=placement).Instantiate()
 
-    return _measure(cluster, build, random_batch(pp.input_shapes), num_cells * num_replicas,
+    return _measure(cluster, build, random_batch(pp.input_shapes),
+                    num_cells // virtual_stages * num_replicas,
                     config.task_params.train.optimizer)
 
 
@@ -255,7 +261,7 @@ def _serve(addresses: list[str], index: int, inter: int) -> None:
 
 
 def _measure_main(argv: list[str]) -> None:
-    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat,...`.
+    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat[:v],...`.
 
     Prints one JSON line: {"peak_bytes": [[device peaks of config 1], ...]}.
     """
@@ -264,7 +270,8 @@ def _measure_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="device_memory.py measure")
     parser.add_argument("--model", required=True)
     parser.add_argument("--configs", required=True,
-                        help="Comma-separated K:R:T:schedule:remat, e.g. 2:1:4:1f1b:always.")
+                        help="Comma-separated K:R:T:schedule:remat[:v], e.g. 2:1:4:1f1b:always "
+                             "or 4:1:4:interleaved:never:2 (v cells per device).")
     parser.add_argument("--model_params_override", default="")
     args = parser.parse_args(argv)
     root = os.path.join(HERE, "..")
@@ -272,12 +279,12 @@ def _measure_main(argv: list[str]) -> None:
         sys.path.insert(0, root)
     configs = []
     for text in args.configs.split(","):
-        k, r, t, schedule, remat = text.split(":")
-        configs.append((int(k), int(r), int(t), schedule, remat))
-    with Cluster(max(k * r for k, r, *_ in configs)) as cluster:
+        k, r, t, schedule, remat, *v = text.split(":")
+        configs.append((int(k), int(r), int(t), schedule, remat, int(v[0]) if v else 1))
+    with Cluster(max(k // v * r for k, r, _, _, _, v in configs)) as cluster:
         peaks = [measure_model(cluster, args.model, k, r, t, schedule, remat,
-                               args.model_params_override)
-                 for k, r, t, schedule, remat in configs]
+                               args.model_params_override, v)
+                 for k, r, t, schedule, remat, v in configs]
     print(json.dumps({"peak_bytes": peaks}))
 
 

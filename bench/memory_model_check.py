@@ -1,14 +1,17 @@
 """The memory model (lingvo_lite/pipeline/memory_model.py) against measured per-device peaks.
 
 For each benchmark model (bench_lib.model), K in {1, 2, 4}, T in {1, 4, 8} and each schedule,
-one training step (momentum SGD, remat as given) runs with every cell in its own process
+one training step (momentum SGD, remat as given) runs with every device in its own process
 (`device_memory.py`: one BFC allocator per device) and each device's measured peak is printed
-next to the model's prediction and the relative error. Memory only, no timing.
+next to the model's prediction and the relative error. Memory only, no timing. K counts
+devices: the interleaved schedule puts `--virtual_stages` cells on each (K x v cells; skipped
+where T is not a multiple of K or the model has fewer than K x v layers).
 
     python bench/memory_model_check.py                        # the full table (markdown)
     python bench/memory_model_check.py --models=transformer --num_cells=2 --micro_batches=4
     python bench/memory_model_check.py --json_out=peaks.json    # keep the measurements
     python bench/memory_model_check.py --from_json=peaks.json   # re-predict, measure nothing
+    python bench/memory_model_check.py --schedules=interleaved --num_cells=2,4 --micro_batches=4,8
 
 Prints a markdown table, then the worst error and how many devices are within 20%.
 """
@@ -29,7 +32,7 @@ TOLERANCE = 0.20  # Issue 16: within 20% of the measured peak per device.
 
 
 def predicted(layers, shapes, num_cells: int, num_micro_batches: int, schedule: str,
-              remat: str, num_slots: int = 1) -> list[int]:
+              remat: str, num_slots: int = 1, virtual_stages: int = 1) -> list[int]:
     """The memory model's peak per device (momentum SGD: one slot), as the planner predicts it
     (receives land on the schedule's timeline simulated from the cells' FLOPs)."""
     from lingvo_lite.pipeline import pipelining_layer
@@ -38,7 +41,7 @@ def predicted(layers, shapes, num_cells: int, num_micro_batches: int, schedule: 
     p = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=layers, num_cells=num_cells, input_shapes=shapes)
     mem = planner.predict_memory(p, num_cells, 1, num_micro_batches, schedule, remat,
-                                 num_slots)
+                                 num_slots, virtual_stages)
     return [m.total for m in mem]
 
 
@@ -49,6 +52,8 @@ def main() -> None:
     parser.add_argument("--micro_batches", default="1,4,8")
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--remat", default="except_last")
+    parser.add_argument("--virtual_stages", type=int, default=2,
+                        help="Cells per device of the interleaved schedule.")
     parser.add_argument("--quick", action="store_true", help="Smaller benchmark shapes.")
     parser.add_argument("--json_out", default="",
                         help="Also write the measured peaks (bytes) to this JSON file.")
@@ -68,8 +73,10 @@ def main() -> None:
             if row["model"] not in models:
                 models[row["model"]] = bench_lib.model(row["model"], args.quick)
             layers, shapes, _ = models[row["model"]]
-            model = predicted(layers, shapes, row["K"], row["T"], row["schedule"], row["remat"])
-            errors += _print_rows(row["model"], row["K"], row["T"], row["schedule"],
+            v = row.get("v", 1)
+            model = predicted(layers, shapes, row["K"] * v, row["T"], row["schedule"],
+                              row["remat"], virtual_stages=v)
+            errors += _print_rows(row["model"], row["K"], row["T"], _label(row["schedule"], v),
                                   row["remat"], row["measured"], model)
         _summary(errors)
         return
@@ -87,21 +94,31 @@ def main() -> None:
                     for sched in args.schedules.split(","):
                         if k == 1 and sched != args.schedules.split(",")[0]:
                             continue  # One cell: every schedule is the same order.
+                        v = args.virtual_stages if sched == "interleaved" else 1
+                        if v > 1 and (k == 1 or t % k or k * v > len(layers)):
+                            continue  # Nothing to interleave, or a T or K it cannot run.
                         measured = device_memory.measure_step(
-                            cluster, layers, shapes, make_batch, k, t, sched, args.remat)
-                        model = predicted(layers, shapes, k, t, sched, args.remat)
-                        raw.append({"model": name, "K": k, "T": t, "schedule": sched,
+                            cluster, layers, shapes, make_batch, k * v, t, sched, args.remat,
+                            virtual_stages=v)
+                        model = predicted(layers, shapes, k * v, t, sched, args.remat,
+                                          virtual_stages=v)
+                        raw.append({"model": name, "K": k, "v": v, "T": t, "schedule": sched,
                                     "remat": args.remat, "measured": measured,
                                     "predicted": model})
                         if args.json_out:
                             with open(args.json_out, "w") as f:
                                 json.dump(raw, f)
-                        errors += _print_rows(name, k, t, sched, args.remat, measured, model)
+                        errors += _print_rows(name, k, t, _label(sched, v), args.remat,
+                                              measured, model)
     _summary(errors)
 
 
 HEADER = ("| model | K | T | schedule | remat | device | measured MiB | predicted MiB | error |\n"
           "|---|---|---|---|---|---|---|---|---|")
+
+
+def _label(schedule: str, virtual_stages: int) -> str:
+    return schedule if virtual_stages == 1 else f"{schedule} v={virtual_stages}"
 
 
 def _print_rows(name: str, k: int, t: int, sched: str, remat: str, measured: list[int],

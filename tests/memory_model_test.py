@@ -3,8 +3,8 @@
 The measured test runs `bench/device_memory.py measure` in a child process (one TensorFlow
 worker process per device, each with its own BFC allocator) and compares every device's peak
 with the model within 20% (issue 16). The full comparison (three benchmark models, K in
-{1, 2, 4}, T in {1, 4, 8}, gpipe and 1f1b; zero_bubble at K in {2, 4}) is
-`bench/memory_model_check.py`, BENCHMARKS.md sections 9 and 9c.
+{1, 2, 4}, T in {1, 4, 8}, gpipe and 1f1b; zero_bubble and interleaved at K in {2, 4}) is
+`bench/memory_model_check.py`, BENCHMARKS.md sections 9, 9c and 9d.
 """
 
 from __future__ import annotations
@@ -157,6 +157,44 @@ def test_batched_weight_gradients_hold_every_records_until_the_cells_w():
     # Per micro-batch (the default), the peak is B3's: 4 x 1000 kept, 600 working.
     plain = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never")[1]
     assert (plain.kept_activations, plain.working_activations) == (4000, 600)
+
+
+def test_interleaved_device_walks_all_its_cells():
+    # Four one-layer cells on two devices (v = 2, T = 2): device 0 holds cells 0 and 2 and
+    # runs 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1. Per micro-batch a cell saves 1600 / 2 = 800 and
+    # cells > 0 keep their received input 800 / 2 = 400; cell 0's inputs are slices of the
+    # mini-batch device 0 holds.
+    part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
+    interleaved = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)
+    mem = memory_model.device_memory(part, [LAYER] * 4, 800, interleaved, "never")
+    assert [m.cells for m in mem] == [(0, 2), (1, 3)]
+    first, second = mem
+    # Both cells' weights on one device; gradients 800 + min(800, 2 x 400) + (800 - 400).
+    assert (first.weights, first.gradients, first.inputs) == (800, 2000, 800)
+    # At 2B0 all four forwards are in flight: 2 x 800 (cell 0) + 2 x (400 + 800) (cell 2);
+    # the backward adds its output gradient (400) and temporaries max(2 x 800, 800) / 2.
+    assert first.peak_action == schedule.Action(schedule.Phase.BACKWARD, 2, 0)
+    assert first.peak_in_flight == 4
+    assert (first.kept_activations, first.working_activations) == (4000, 400 + 800)
+    # Device 1: four forwards of 400 + 800 each.
+    assert (second.kept_activations, second.working_activations) == (4800, 1200)
+    assert second.inputs == 0
+
+
+def test_interleaved_batched_w_frees_each_cells_records_after_its_last_backward():
+    # weight_gradients='batched', each layer's weight ops hold 8,000 B (4,000 per
+    # micro-batch). Device 0 runs 0F0 0F1 2F0 2F1 2B0 2B1 [cell 2's W] 0B0 0B1 [cell 0's W].
+    # At cell 2's W: cell 0's kept forwards (2 x 800), cell 2's two micro-batches' records
+    # (8,000) and their concatenation (8,000). Its records are freed there, so at cell 0's W
+    # only cell 0's are held (8,000 + 8,000): less.
+    layers = [dataclasses.replace(LAYER, deferred_bytes=8000)] * 4
+    part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
+    interleaved = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)
+    first = memory_model.device_memory(part, layers, 800, interleaved, "never",
+                                       batched_weight_grads=True)[0]
+    assert first.peak_action is None
+    assert (first.kept_activations, first.working_activations) == (1600 + 8000, 8000)
+    assert first.waiting_records == 8000
 
 
 def test_deferred_bytes_from_the_layers_metas():

@@ -3,6 +3,7 @@ that the chosen plan fits when run and the faster plan rejected for memory does 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -10,7 +11,7 @@ import memory_model_test
 import pytest
 
 from lingvo_lite.pipeline import schedule, simulator
-from lingvo_lite.training import model_config, options, runner, sizes
+from lingvo_lite.training import model_config, options, planner, runner, sizes
 
 MODEL = "tests.plan_models.PlanMlp"
 
@@ -52,13 +53,16 @@ def test_nothing_fits_says_what_to_change():
 
 _CHOSEN = re.compile(r"--num_cells=(\d+) --num_replicas=(\d+) --num_micro_batches=(\d+) "
                      r"--model_params_override=\"network.schedule : '(\w+)'; "
-                     r"network.remat : '(\w+)'\"")
+                     r"network.remat : '(\w+)'(?:; network.virtual_stages : (\d+))?\"")
 
 
-def _rejected(out: str) -> tuple[int, int, int, str, str]:
+def _rejected(out: str) -> tuple[int, int, int, str, str, int]:
     lines = out.split("Faster plans rejected for memory:\n", 1)[1].splitlines()
-    k, r, t, sched, remat = lines[1].split()[1:6]  # lines[0] is the header.
-    return int(k), int(r), int(t), sched, remat
+    row = lines[1].split()  # lines[0] is the header.
+    k, r, t, sched = row[1:5]
+    if row[5].startswith("v="):  # "interleaved v=2".
+        return int(k), int(r), int(t), sched, row[6], int(row[5][2:])
+    return int(k), int(r), int(t), sched, row[5], 1
 
 
 @pytest.mark.slow
@@ -68,7 +72,8 @@ def test_chosen_plan_fits_when_run_and_rejected_plan_does_not():
     assert status == 0, out
     match = _CHOSEN.search(out)
     assert match, out
-    chosen = (int(match[1]), int(match[2]), int(match[3]), match[4], match[5])
+    chosen = (int(match[1]), int(match[2]), int(match[3]), match[4], match[5],
+              int(match[6] or 1))
     rejected = _rejected(out)
     assert chosen != rejected
     # The printed flags are what the trainer accepts, and they set the plan.
@@ -76,14 +81,53 @@ def test_chosen_plan_fits_when_run_and_rejected_plan_does_not():
         model=MODEL, mode="inspect_model", num_cells=chosen[0], num_replicas=chosen[1],
         num_micro_batches=chosen[2],
         model_params_override=f"network.schedule : '{chosen[3]}'; network.remat : "
-                              f"'{chosen[4]}'"))
+                              f"'{chosen[4]}'; network.virtual_stages : {chosen[5]}"))
     (_, p), = model_config.iter_pipelining_params(config.task_params)
-    assert (p.num_cells, p.num_replicas, p.num_micro_batches, p.schedule, p.remat) == chosen
+    assert (p.num_cells, p.num_replicas, p.num_micro_batches, p.schedule, p.remat,
+            p.virtual_stages) == chosen
     configs = [":".join(map(str, c)) for c in (chosen, rejected)]
     measured = memory_model_test.measure(MODEL, configs)
     limit = sizes.parse_size(budget)
     assert max(measured[0]) < limit, f"chosen {configs[0]} measured {measured[0]} B"
     assert max(measured[1]) > limit, f"rejected {configs[1]} measured {measured[1]} B"
+
+
+def test_interleaved_plans_put_v_cells_on_each_device():
+    config = model_config.build_model_config(options.RunOptions(model=MODEL,
+                                                                mode="inspect_model"))
+    (path, p), = model_config.iter_pipelining_params(config.task_params)
+    result = planner.search(p, num_devices=2, budget=sizes.parse_size("1GiB"),
+                            schedules=("1f1b", "interleaved"))
+    interleaved = [x for x in result.fitting if x.schedule == "interleaved"]
+    # PlanMlp has 9 layers: 2 devices take v = 2, 3 and 4 cells each (never 1 device).
+    assert {x.virtual_stages for x in interleaved} == set(planner.PLANNED_VIRTUAL_STAGES)
+    for plan in interleaved:
+        devices = plan.num_cells // plan.virtual_stages
+        assert devices == 2 and plan.num_devices == 2 * plan.num_replicas
+        assert plan.num_micro_batches % devices == 0  # Megatron's groups of one per device.
+        assert [m.cells for m in plan.memory] == [
+            tuple(range(d, plan.num_cells, devices)) for d in range(devices)]
+    # Same devices and T: interleaving shortens the predicted bubble.
+    def bubble(schedule, v):
+        return next(x.step.breakdown().bubble for x in result.fitting
+                    if (x.schedule, x.virtual_stages, x.num_replicas, x.num_micro_batches,
+                        x.remat) == (schedule, v, 1, 8, "never")
+                    and x.num_devices == 2)
+    assert bubble("interleaved", 2) < bubble("1f1b", 1)
+    # Its printed flags build a pipeline of that many cells, v per device.
+    plan = interleaved[0]
+    flags = planner.plan_flags(plan, MODEL, path)
+    assert f"--num_cells={plan.num_cells} " in flags
+    override = flags.split('--model_params_override="')[1].rstrip('"')
+    built = model_config.build_model_config(options.RunOptions(
+        model=MODEL, mode="inspect_model", num_cells=plan.num_cells,
+        num_replicas=plan.num_replicas, num_micro_batches=plan.num_micro_batches,
+        model_params_override=override))
+    (_, q), = model_config.iter_pipelining_params(built.task_params)
+    assert (q.num_cells, q.schedule, q.virtual_stages) == (
+        plan.num_cells, "interleaved", plan.virtual_stages)
+    assert "(cells 0, 2" in planner.format_report(
+        dataclasses.replace(result, fitting=(plan,)), MODEL, path)
 
 
 def test_simulator_at_128_cells_and_512_micro_batches_is_linear(monkeypatch):

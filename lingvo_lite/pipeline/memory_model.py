@@ -1,23 +1,26 @@
 """Memory model: each device's peak bytes in one pipelined training step, without running it.
 
 From the layers' `FPropMeta` (parameters, output bytes, saved-activation estimate), the
-partition, the schedule's per-device orders and the re-materialisation policy, device k's peak
-is the sum of
+partition, the schedule's per-device orders and the re-materialisation policy, device d's peak
+is the sum of the following, over the cells it holds (one; v with the interleaved schedule,
+whose device walks the actions of all of them in its own order):
 
-* weights: every parameter of the cell's layers (trainable or not);
+* weights: every parameter of the cells' layers (trainable or not);
 * gradients: the gradient of each trainable weight, the temporaries of computing and applying
-  them (two of the largest layer's weights, at most the cell's), and with T > 1 the running
+  them (two of the largest layer's weights, at most the device's), and with T > 1 the running
   sum of the micro-batches' weight gradients less the largest layer's (fitted on weight-heavy
   dense layers at K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add
   writes into a buffer it no longer needs);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
-* inputs: cell 0 holds the whole received mini-batch for the step (and its micro-batch slices);
-* activations at the worst moment of the device's own order: for every micro-batch whose
-  forward ran and whose backward has not (walked from `Schedule.cell_order`, so GPipe keeps T,
-  1F1B at most K - k, and any new schedule its own), the received boundary copy of its input,
-  plus all its saved activations when its backward does not recompute (the same decision as
-  `remat.recomputed_actions`); plus the working set of the running action: one
+* inputs: cell 0's device holds the whole received mini-batch for the step (and its
+  micro-batch slices);
+* activations at the worst moment of the device's own order: for every (cell, micro-batch)
+  whose forward ran and whose backward has not (walked from `Schedule.device_order`, so GPipe
+  keeps T, 1F1B at most K - k, interleaved and any new schedule their own), the received
+  boundary copy of its input, plus all its saved activations when its backward does not
+  recompute (the same decision as `remat.recomputed_actions`); plus the working set of the
+  running action (of the cell it belongs to): one
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
   back-propagating through layer j the activations of layers up to j plus j's gradient
@@ -142,16 +145,17 @@ def optimizer_slots(optimizer_params: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """Device `cell`'s predicted bytes at its peak, by part."""
+    """Device `device`'s predicted bytes at its peak, by part."""
 
-    cell: int
+    device: int
+    cells: tuple[int, ...]  # The cells it holds (one, or v with the interleaved schedule).
     weights: int
     gradients: int
     optimizer_slots: int
-    inputs: int  # The received mini-batch (cell 0).
+    inputs: int  # The received mini-batch (the device of cell 0).
     kept_activations: int  # Of the micro-batches in flight at the peak.
     working_activations: int  # Of the action running at the peak.
-    peak_in_flight: int  # Most micro-batches in flight on this device.
+    peak_in_flight: int  # Most (cell, micro-batch) forwards in flight on this device.
     peak_action: schedule_lib.Action | None
     # Inputs and output gradients received at the peak but not yet used (with a timeline).
     received_early: int = 0
@@ -168,18 +172,63 @@ class DeviceMemory:
         return self.kept_activations + self.working_activations + self.received_early
 
 
+@dataclasses.dataclass(frozen=True)
+class _CellActivations:
+    """One cell's activation sizes for one micro-batch (see `device_memory`)."""
+
+    boundary_in: float  # Its input.
+    boundary_out: float  # Its output, and the output gradient its backward receives.
+    saved: float  # All its layers' saved activations.
+    kept_input: float  # The input copy held from its forward to its backward.
+    forward_work: float  # A forward that keeps nothing: about one layer's activations.
+    backward_work: float  # A kept micro-batch's inline backward, at its worst layer.
+    call_work: float  # A re-computing backward call: all it re-computed, until it returns.
+    records: float  # Deferred weight-gradient records (0 when nothing is deferred).
+
+
+def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: int,
+                      num_micro: int, defer: bool) -> _CellActivations:
+    boundary_in = boundary_in_bytes / num_micro
+    boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
+    saved = sum(m.saved_bytes for m in cell) / num_micro
+    # Back-propagating through layer j: the saved activations of layers up to j, plus j's
+    # gradient temporaries, plus (deferring) the records of the layers after j, which stay;
+    # the worst j is the cell's backward working set.
+    backward_work = 0.0
+    below, after = saved, 0.0
+    for m in reversed(cell):
+        backward_work = max(backward_work, below + m.temporaries / num_micro + after)
+        below -= m.saved_bytes / num_micro
+        after += m.deferred_bytes / num_micro if defer else 0.0
+    largest_temporaries = max((m.temporaries for m in cell), default=0) / num_micro
+    return _CellActivations(
+        boundary_in=boundary_in,
+        boundary_out=boundary_out,
+        saved=saved,
+        # Cell 0's micro-batch inputs are slices of the mini-batch its device already holds.
+        kept_input=0.0 if k == 0 else boundary_in,
+        forward_work=max((m.saved_bytes for m in cell), default=0) / num_micro,
+        backward_work=backward_work + boundary_out,
+        # Deferring, a re-computing call's records are among what it holds (measured:
+        # zero-bubble's re-computing devices at T >= 4 peak within 4 MiB of 1F1B's).
+        call_work=saved + largest_temporaries + boundary_out,
+        records=sum(m.deferred_bytes for m in cell) / num_micro if defer else 0.0)
+
+
 def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                   input_bytes: int, sched: schedule_lib.Schedule, remat: str,
                   num_slots: int = 1,
                   timeline: simulator.SimulatedStep | None = None,
                   batched_weight_grads: bool = False) -> list[DeviceMemory]:
-    """Each device's predicted peak (one `DeviceMemory` per cell, not summed).
+    """Each device's predicted peak (one `DeviceMemory` per device of the schedule, not
+    summed).
 
     Args:
       part: which layers each cell holds.
       layers: `layer_memory` of every layer, for the whole (per-replica) mini-batch.
       input_bytes: bytes of one (per-replica) mini-batch fed to cell 0.
-      sched: the schedule; its per-cell orders decide what is in flight.
+      sched: the schedule; its per-device orders decide what is in flight (a device of the
+        interleaved schedule walks the actions of all its cells).
       remat: re-materialisation policy ('always', 'except_last', 'never').
       num_slots: weight-sized optimizer slots per trainable weight (`optimizer_slots`).
       timeline: the schedule's simulated step (`simulator.simulate`). With it, a device also
@@ -199,89 +248,87 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
     num_micro = sched.num_micro_batches
     recomputed = remat_lib.recomputed_actions(sched, remat)
     batched = batched_weight_grads and num_micro > 1 and not sched.splits_backward
+    defer = sched.splits_backward or batched
+    ranges = part.cell_layer_ranges
+    sizes = [_cell_activations(k, layers[a:b],
+                               input_bytes if k == 0 else layers[a - 1].out_bytes,
+                               num_micro, defer)
+             for k, (a, b) in enumerate(ranges)]
     out = []
-    for k, (a, b) in enumerate(part.cell_layer_ranges):
-        cell = list(layers[a:b])
-        weights = sum(m.param_bytes for m in cell)
-        trainable = sum(m.trainable_bytes for m in cell)
-        largest_weights = max((m.trainable_bytes for m in cell), default=0)
+    for d in range(sched.num_devices):
+        cells = sched.cells_of_device(d)
+        held = [m for k in cells for m in layers[ranges[k][0]:ranges[k][1]]]
+        trainable = sum(m.trainable_bytes for m in held)
+        largest_weights = max((m.trainable_bytes for m in held), default=0)
         gradients = (trainable + min(trainable, 2 * largest_weights)
                      + (trainable - largest_weights if num_micro > 1 else 0))
-        boundary_in = (input_bytes if k == 0 else layers[a - 1].out_bytes) / num_micro
-        boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
-        saved = sum(m.saved_bytes for m in cell) / num_micro
-        # A forward whose activations are not kept holds about one layer's at a time.
-        forward_work = max((m.saved_bytes for m in cell), default=0) / num_micro
-        defer = sched.splits_backward or batched
-        records = sum(m.deferred_bytes for m in cell) / num_micro if defer else 0.0
-        # Back-propagating through layer j: the saved activations of layers up to j, plus
-        # j's gradient temporaries, plus (deferring) the records of the layers after j, which
-        # stay; the worst j is the cell's backward working set.
-        backward_work = 0.0
-        below, after = saved, 0.0
-        for m in reversed(cell):
-            backward_work = max(backward_work, below + m.temporaries / num_micro + after)
-            below -= m.saved_bytes / num_micro
-            after += m.deferred_bytes / num_micro if defer else 0.0
-        backward_work += boundary_out
-        # A re-computing backward is one call, which holds all it re-computed until it
-        # returns (the inline backward of a kept micro-batch frees layer by layer). Deferring,
-        # its records are among that and its gradient temporaries until it returns (measured:
-        # zero-bubble's re-computing devices at T >= 4 peak within 4 MiB of 1F1B's).
-        call_work = (saved + max((m.temporaries for m in cell), default=0) / num_micro
-                     + boundary_out)
-        # Cell 0's micro-batch inputs are slices of the mini-batch it already holds.
-        kept_input = 0.0 if k == 0 else boundary_in
-        kept = 0.0
+        order = sched.device_order(d)
+        last_backward = {action.cell: i for i, action in enumerate(order)
+                         if action.phase is Phase.BACKWARD}
+        landed = {k: (_landing_times(timeline, Phase.FORWARD, k - 1, num_micro),
+                      _landing_times(timeline, Phase.BACKWARD, k + 1, num_micro))
+                  for k in cells}
+        forwards = dict.fromkeys(cells, 0)
+        backwards = dict.fromkeys(cells, 0)
+        kept = waiting = 0.0
         in_flight = peak_in_flight = 0
         peak = (0.0, 0.0, None, 0.0, 0.0)  # (kept, working, action, early, waiting records)
-        stash: dict[int, float] = {}
-        waiting = 0.0
-        inputs_landed = _landing_times(timeline, Phase.FORWARD, k - 1, num_micro)
-        gradients_landed = _landing_times(timeline, Phase.BACKWARD, k + 1, num_micro)
-        forwards = backwards = 0
-        for action in sched.cell_order(k):
-            t = action.micro_batch
-            forwards += action.phase is Phase.FORWARD
-            backwards += action.phase is Phase.BACKWARD
+        stash: dict[tuple[int, int], float] = {}
+
+        def consider(now: tuple[float, float, Any, float, float]) -> None:
+            nonlocal peak
+            if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
+                peak = now
+
+        for i, action in enumerate(order):
+            k, t = action.cell, action.micro_batch
+            size = sizes[k]
+            forwards[k] += action.phase is Phase.FORWARD
+            backwards[k] += action.phase is Phase.BACKWARD
             early = 0.0
             if timeline is not None:  # Landed by the action's end, not yet used.
                 end = timeline.end[action]
-                early = (boundary_in * max(0, bisect.bisect_right(inputs_landed, end) - forwards)
-                         + boundary_out * max(0, bisect.bisect_right(gradients_landed, end)
-                                              - backwards))
+                for c in cells:
+                    inputs_landed, gradients_landed = landed[c]
+                    early += (sizes[c].boundary_in
+                              * max(0, bisect.bisect_right(inputs_landed, end) - forwards[c])
+                              + sizes[c].boundary_out
+                              * max(0, bisect.bisect_right(gradients_landed, end)
+                                    - backwards[c]))
             if action.phase is Phase.FORWARD:
                 backward = schedule_lib.Action(Phase.BACKWARD, k, t)
-                stash[t] = kept_input + (0.0 if backward in recomputed else saved)
-                kept += stash[t]
+                stash[(k, t)] = size.kept_input + (0.0 if backward in recomputed
+                                                   else size.saved)
+                kept += stash[(k, t)]
                 in_flight += 1
-                working = forward_work if backward in recomputed else 0.0
-                now = (kept, working, action, early, waiting)
+                working = size.forward_work if backward in recomputed else 0.0
+                consider((kept, working, action, early, waiting))
             elif action.phase is Phase.BACKWARD:
                 # A kept micro-batch's activations are already in `kept`; its records stay
                 # until its W.
-                working = call_work if action in recomputed else backward_work - saved
-                now = (kept, working, action, early, waiting)
-                kept += records - stash.pop(t)
-                waiting += records
+                working = (size.call_work if action in recomputed
+                           else size.backward_work - size.saved)
+                consider((kept, working, action, early, waiting))
+                kept += size.records - stash.pop((k, t))
+                waiting += size.records
                 in_flight -= 1
+                if batched and i == last_backward[k]:
+                    # The cell's W: all T micro-batches' records, and their concatenation.
+                    consider((kept, size.records * num_micro, None, 0.0, waiting))
+                    kept -= size.records * num_micro
+                    waiting -= size.records * num_micro
             else:
-                now = (kept, 0.0, action, early, waiting)
-                kept -= records
-                waiting -= records
+                consider((kept, 0.0, action, early, waiting))
+                kept -= size.records
+                waiting -= size.records
             peak_in_flight = max(peak_in_flight, in_flight)
-            if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
-                peak = now
-        if batched:  # The cell's W: all T micro-batches' records, and their concatenation.
-            now = (kept, records * num_micro, None, 0.0, waiting)
-            if now[0] + now[1] > peak[0] + peak[1] + peak[3]:
-                peak = now
         out.append(DeviceMemory(
-            cell=k, weights=weights, gradients=gradients, optimizer_slots=num_slots * trainable,
-            inputs=int(input_bytes) if k == 0 else 0, kept_activations=int(round(peak[0])),
-            working_activations=int(round(peak[1])), peak_in_flight=peak_in_flight,
-            peak_action=peak[2], received_early=int(round(peak[3])),
-            waiting_records=int(round(peak[4]))))
+            device=d, cells=tuple(cells), weights=sum(m.param_bytes for m in held),
+            gradients=gradients, optimizer_slots=num_slots * trainable,
+            inputs=int(input_bytes) if 0 in cells else 0,
+            kept_activations=int(round(peak[0])), working_activations=int(round(peak[1])),
+            peak_in_flight=peak_in_flight, peak_action=peak[2],
+            received_early=int(round(peak[3])), waiting_records=int(round(peak[4]))))
     return out
 
 

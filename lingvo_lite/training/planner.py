@@ -1,9 +1,11 @@
 """The dry-run planner behind `trainer.py --mode=plan`: which pipeline fits and runs fastest.
 
 For a PipeliningLayer's params, a number of devices N and a memory budget per device, it
-searches the cell count K (every K a partition can make, up to N and the number of layers),
-the data replicas R (R x K <= N, R dividing the mini-batch), the micro-batches T (divisors of
-the per-replica batch), the schedule and the re-materialisation policy. Each candidate gets
+searches the devices per pipeline D (up to N and the number of layers), the data replicas R
+(R x D <= N, R dividing the mini-batch), the micro-batches T (divisors of the per-replica
+batch), the schedule (the interleaved one with v = 2, 3 or 4 cells per device: K = D x v
+cells; the others one cell per device, K = D) and the re-materialisation policy. Each
+candidate gets
 
 * its peak memory per device from `memory_model.device_memory` (the layers' FPropMeta at the
   per-replica batch, the schedule's per-device orders and its simulated timeline below, the
@@ -26,7 +28,7 @@ Plans are ranked by predicted examples/s (mini-batch / step time).
 ...         for i in range(8)])
 >>> result = planner.search(p, num_devices=4, budget=planner.parse_size("4MiB"))
 >>> best = result.fitting[0]
->>> best.num_cells * best.num_replicas <= 4, best.peak_bytes <= 4 * 2**20
+>>> best.num_devices <= 4, best.peak_bytes <= 4 * 2**20
 (True, True)
 """
 
@@ -46,9 +48,11 @@ from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.training.options import UsageError
 from lingvo_lite.training.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
 
-# The schedules whose time and memory the models here describe. Not yet: 'interleaved' (the
-# search has no virtual_stages axis).
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+# The schedules whose time and memory the models here describe.
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
+# Cells per device tried for the interleaved schedule (Megatron-LM's papers use 2 to 4; more
+# cells per device add boundary crossings and per-action overhead for a bubble already small).
+PLANNED_VIRTUAL_STAGES = (2, 3, 4)
 # Achieved (not peak) dense throughput of one accelerator when --plan_device_flops is not
 # given: 50 TFLOP/s, about a V100's or TPU v3 core's mixed-precision matmul rate in practice.
 # Only the ranking's transfer and overhead terms depend on it.
@@ -67,7 +71,7 @@ _REMAT_PREFERENCE = ("never", "except_last", "always")
 class Plan:
     """One candidate configuration with its predicted step and memory."""
 
-    num_cells: int
+    num_cells: int  # K: cells of one replica (K / virtual_stages devices).
     num_replicas: int
     num_micro_batches: int
     schedule: str
@@ -75,7 +79,8 @@ class Plan:
     global_batch: int
     step: simulator.SimulatedStep
     all_reduce_time: float
-    memory: tuple[memory_model.DeviceMemory, ...]
+    memory: tuple[memory_model.DeviceMemory, ...]  # Per device of a replica.
+    virtual_stages: int = 1  # Cells per device (interleaved).
 
     @property
     def step_time(self) -> float:
@@ -91,11 +96,18 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return self.num_cells * self.num_replicas
+        return self.num_cells // self.virtual_stages * self.num_replicas
+
+    @property
+    def schedule_label(self) -> str:
+        """The schedule's name, with its cells per device when interleaved."""
+        if self.virtual_stages > 1:
+            return f"{self.schedule} v={self.virtual_stages}"
+        return self.schedule
 
     def label(self) -> str:
         return (f"K={self.num_cells} R={self.num_replicas} T={self.num_micro_batches} "
-                f"{self.schedule} remat={self.remat}")
+                f"{self.schedule_label} remat={self.remat}")
 
     def parts(self) -> dict[str, float]:
         """Seconds of the step spent on each of GPipe's Figure 4 parts (+ all-reduce)."""
@@ -149,24 +161,30 @@ def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMem
     mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots,
                                      timeline=step, batched_weight_grads=batched_weight_grads)
     if num_replicas > 1:  # The all-reduced gradient beside the local one.
-        mem = [dataclasses.replace(m, gradients=m.gradients
-                                   + sum(x.trainable_bytes for x in layers[a:b]))
-               for m, (a, b) in zip(mem, part.cell_layer_ranges)]
+        ranges = part.cell_layer_ranges
+        mem = [dataclasses.replace(m, gradients=m.gradients + sum(
+                   x.trainable_bytes for k in m.cells for x in layers[slice(*ranges[k])]))
+               for m in mem]
     return mem
 
 
 def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
                    num_micro_batches: int, schedule: str, remat: str,
-                   num_slots: int = 1) -> list[memory_model.DeviceMemory]:
+                   num_slots: int = 1,
+                   virtual_stages: int | None = None) -> list[memory_model.DeviceMemory]:
     """The memory model of one configuration of PipeliningLayer params `p` (per device of a
-    replica; every replica's devices hold the same)."""
+    replica; every replica's devices hold the same). `num_cells` counts cells; the interleaved
+    schedule puts `virtual_stages` (default: `p.virtual_stages`) on each device."""
     batch = global_batch_size(p)
     q = p.Copy()
     q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
     q.num_cells = num_cells
     metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
     part = pipelining_layer.PipeliningLayer.ComputePartition(q)
-    virtual_stages = p.virtual_stages if schedule == "interleaved" else 1
+    if schedule != "interleaved":
+        virtual_stages = 1
+    elif virtual_stages is None:
+        virtual_stages = p.virtual_stages
     sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches,
                                        virtual_stages)
     layers = memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size)
@@ -189,6 +207,39 @@ def global_batch_size(p: hyperparams.Params) -> int:
     return int(leaf[p.batch_dim])
 
 
+def _candidates(names: Sequence[str], part: partition.Partition,
+                layers: list[memory_model.LayerMemory], input_bytes: int, k: int, v: int,
+                r: int, t: int, batch: int, costs: simulator.PhaseCosts, all_reduce: float,
+                remats: Sequence[str], num_slots: int,
+                batched_weight_grads: bool) -> list[Plan]:
+    """The plans of every schedule in `names` and remat policy for one (K, v, R, T)."""
+    plans = []
+    seen_orders = set()
+    for name in names:
+        if name == "zero_bubble" and k == 1:
+            continue  # No bubble to fill: only the records' memory would change.
+        try:
+            sched = schedule_lib.make_schedule(name, k, t, v)
+        except ValueError:  # E.g. a T the schedule does not take.
+            continue
+        # Schedules (and below, remat policies) that do the same are tried once.
+        orders = tuple(tuple(sched.device_order(d)) for d in range(sched.num_devices))
+        if orders in seen_orders:
+            continue
+        seen_orders.add(orders)
+        seen_remat = set()
+        for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
+            recomputed = frozenset(remat_lib.recomputed_actions(sched, remat))
+            if recomputed in seen_remat:
+                continue
+            seen_remat.add(recomputed)
+            step = simulator.simulate(sched, costs, remat=remat)
+            mem = _device_memory(part, layers, input_bytes, sched, remat, num_slots, r, step,
+                                 batched_weight_grads)
+            plans.append(Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem), v))
+    return plans
+
+
 def search(p: hyperparams.Params, num_devices: int, budget: int,
            device_flops: float = DEFAULT_DEVICE_FLOPS, num_slots: int = 1,
            schedules: Sequence[str] | None = None,
@@ -196,9 +247,12 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
            link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S) -> PlanSearch:
     """Every (K, R, T, schedule, remat) for `p` on `num_devices`, predicted and ranked.
 
+    K counts cells: the interleaved schedule puts v of them (`PLANNED_VIRTUAL_STAGES`) on each
+    of K / v devices.
+
     Args:
       p: the PipeliningLayer params (its layers, input_shapes, partition method and dtype).
-      num_devices: N; plans use R x K <= N devices.
+      num_devices: N; plans use R x K / v <= N devices.
       budget: bytes of memory per device.
       device_flops: achieved FLOP/s of one device.
       num_slots: weight-sized optimizer slots per weight (`memory_model.optimizer_slots`).
@@ -219,47 +273,34 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
         layers = memory_model.layer_memory(metas, param_size)
         input_bytes = base_layer.activation_bytes(q.input_shapes)
         flops = [m.flops for m in metas]
-        for k in range(1, min(num_devices // r, len(metas)) + 1):
-            q.num_cells = k
-            try:
-                part = pipelining_layer.PipeliningLayer.ComputePartition(q)
-            except ValueError:
-                continue
-            if part.num_cells != k:
-                continue
-            cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
-            boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
-            grads = max(sum(m.trainable_bytes for m in layers[a:b])
-                        for a, b in part.cell_layer_ranges)
-            all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
-            for t in _divisors(batch // r):
-                if t > MAX_MICRO_BATCHES:
-                    break
-                costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
-                seen_orders = set()
-                for name in schedules:
-                    if name == "zero_bubble" and k == 1:
-                        continue  # No bubble to fill: only the records' memory would change.
-                    try:
-                        sched = schedule_lib.make_schedule(name, k, t)
-                    except ValueError:  # E.g. a T the schedule does not take.
-                        continue
-                    # Schedules (and below, remat policies) that do the same are tried once.
-                    orders = tuple(tuple(sched.cell_order(c)) for c in range(k))
-                    if orders in seen_orders:
-                        continue
-                    seen_orders.add(orders)
-                    seen_remat = set()
-                    for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
-                        recomputed = frozenset(remat_lib.recomputed_actions(sched, remat))
-                        if recomputed in seen_remat:
-                            continue
-                        seen_remat.add(recomputed)
-                        step = simulator.simulate(sched, costs, remat=remat)
-                        mem = _device_memory(part, layers, input_bytes, sched, remat,
-                                             num_slots, r, step,
-                                             p.weight_gradients == "batched")
-                        plan = Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem))
+        for devices in range(1, min(num_devices // r, len(metas)) + 1):
+            for v in (1, *PLANNED_VIRTUAL_STAGES):
+                names = [n for n in schedules if (n == "interleaved") == (v > 1)]
+                # One device: nothing to interleave (and no bubble for zero-bubble to fill).
+                if not names or devices * v > len(metas) or (v > 1 and devices == 1):
+                    continue
+                k = devices * v
+                q.num_cells = k
+                try:
+                    part = pipelining_layer.PipeliningLayer.ComputePartition(q)
+                except ValueError:
+                    continue
+                if part.num_cells != k:
+                    continue
+                cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
+                boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
+                grads = max(sum(m.trainable_bytes for c in range(d, k, devices)
+                                for m in layers[slice(*part.cell_layer_ranges[c])])
+                            for d in range(devices))
+                all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
+                for t in _divisors(batch // r):
+                    if t > MAX_MICRO_BATCHES:
+                        break
+                    costs = _phase_costs(cell_flops, boundary, t, device_flops,
+                                         link_bytes_per_s)
+                    for plan in _candidates(names, part, layers, input_bytes, k, v, r, t,
+                                            batch, costs, all_reduce, remats, num_slots,
+                                            p.weight_gradients == "batched"):
                         (fitting if plan.peak_bytes <= budget else too_big).append(plan)
 
     def rank(plans: list[Plan]) -> tuple[Plan, ...]:
@@ -278,7 +319,8 @@ def why_better(best: Plan, other: Plan) -> str:
     knobs = [f"{n} {a} vs {b}" for n, a, b in (
         ("K", best.num_cells, other.num_cells), ("R", best.num_replicas, other.num_replicas),
         ("T", best.num_micro_batches, other.num_micro_batches),
-        ("schedule", best.schedule, other.schedule), ("remat", best.remat, other.remat))
+        ("schedule", best.schedule_label, other.schedule_label),
+        ("remat", best.remat, other.remat))
         if a != b]
     text = (f"The best plan is {faster:.1%} faster than the runner-up ({', '.join(knobs)}): "
             + ("; ".join(diffs) if diffs else "the same time parts, within 1%") + ".")
@@ -290,9 +332,11 @@ def why_better(best: Plan, other: Plan) -> str:
 
 def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> str:
     """The trainer.py command line that runs `plan`."""
-    override = "; ".join(x for x in [base_override.strip().rstrip(";"),
-                                     f"{path}.schedule : '{plan.schedule}'",
-                                     f"{path}.remat : '{plan.remat}'"] if x)
+    settings = [base_override.strip().rstrip(";"), f"{path}.schedule : '{plan.schedule}'",
+                f"{path}.remat : '{plan.remat}'"]
+    if plan.virtual_stages > 1:
+        settings.append(f"{path}.virtual_stages : {plan.virtual_stages}")
+    override = "; ".join(x for x in settings if x)
     return (f"python trainer.py --model={model} --num_cells={plan.num_cells} "
             f"--num_replicas={plan.num_replicas} --num_micro_batches={plan.num_micro_batches} "
             f"--model_params_override=\"{override}\"")
@@ -301,13 +345,13 @@ def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> st
 def _row(i: int, plan: Plan, budget: int) -> str:
     b = plan.step.breakdown()
     return (f"{i:>3}  {plan.num_cells:>3} {plan.num_replicas:>3} {plan.num_micro_batches:>4}  "
-            f"{plan.schedule:<11} {plan.remat:<11} {plan.examples_per_s:>12,.1f} "
+            f"{plan.schedule_label:<15} {plan.remat:<11} {plan.examples_per_s:>12,.1f} "
             f"{plan.step_time * 1e3:>9.3f}  {b.bubble:>6.1%} {b.load_imbalance:>6.1%} "
             f"{b.recompute:>6.1%} {plan.all_reduce_time / plan.step_time:>6.1%}  "
             f"{format_bytes(plan.peak_bytes):>10} {plan.peak_bytes / budget:>5.0%}")
 
 
-_HEADER = ("  #    K   R    T  schedule    remat        examples/s   step ms  bubble  imbal  "
+_HEADER = ("  #    K   R    T  schedule        remat        examples/s   step ms  bubble  imbal  "
            "recomp  allred    peak/dev  of budget")
 
 
@@ -315,7 +359,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     lines = []
     for m in plan.memory:
         lines.append(
-            f"    device {m.cell}: {format_bytes(m.total):>10} = weights "
+            f"    device {m.device}{_cells_text(m)}: {format_bytes(m.total):>10} = weights "
             f"{format_bytes(m.weights)} + grads {format_bytes(m.gradients)} + optimizer "
             f"{format_bytes(m.optimizer_slots)} + input {format_bytes(m.inputs)} + kept "
             f"activations {format_bytes(m.kept_activations)} ({m.peak_in_flight} in flight"
@@ -325,6 +369,11 @@ def _memory_lines(plan: Plan) -> list[str]:
             + (f" + received early {format_bytes(m.received_early)}" if m.received_early
                else ""))
     return lines
+
+
+def _cells_text(m: memory_model.DeviceMemory) -> str:
+    """' (cells 1, 3)' for a device of several cells; '' for one."""
+    return f" (cells {', '.join(map(str, m.cells))})" if len(m.cells) > 1 else ""
 
 
 def format_report(result: PlanSearch, model: str, path: str, base_override: str = "",
