@@ -25,7 +25,7 @@ inter-op thread pool.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ContextManager
 
 import tensorflow as tf
@@ -317,8 +317,13 @@ class PipeliningLayer(base_layer.BaseLayer):
                                     input_name="p.input_shapes")
 
     @classmethod
-    def ComputePartition(cls, p: hyperparams.Params) -> partition.Partition:
-        """The cells for `p`, computed from FPropMeta costs without creating variables."""
+    def ComputePartition(cls, p: hyperparams.Params,
+                         metas: Sequence[NestedMap] | None = None) -> partition.Partition:
+        """The cells for `p`, computed from FPropMeta costs without creating variables.
+
+        `metas`: `LayerMetas(p)` when the caller already has them (the planner partitions the
+        same layers into many cell counts).
+        """
         names = [lp.name or f"{lp.cls.__name__}_{i}" for i, lp in enumerate(p.layers)]
         if p.partition_method in ("uniform", "explicit") and p.input_shapes is None:
             costs = [1.0] * len(p.layers)
@@ -328,7 +333,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                 raise ValueError(
                     f"partition_cost={p.partition_cost!r}; use one of {PARTITION_COSTS}."
                 )
-            metas = cls.LayerMetas(p)
+            if metas is None:
+                metas = cls.LayerMetas(p)
             cost_name = p.partition_cost
             if cost_name == "measured":
                 from lingvo_lite.pipeline import layer_profile  # Imports this module.

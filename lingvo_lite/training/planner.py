@@ -282,7 +282,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                 k = devices * v
                 q.num_cells = k
                 try:
-                    part = pipelining_layer.PipeliningLayer.ComputePartition(q)
+                    part = pipelining_layer.PipeliningLayer.ComputePartition(q, metas)
                 except ValueError:
                     continue
                 if part.num_cells != k:
@@ -393,7 +393,8 @@ def format_report(result: PlanSearch, model: str, path: str, base_override: str 
             f"({smallest.label()}); raise --plan_memory_per_device or --plan_devices."
             if smallest else ""))
         return "\n".join(lines) + "\n"
-    lines += ["Top plans that fit, fastest first:", _HEADER]
+    lines += ["Top plans that fit, fastest first (K cells per replica, one per device; "
+              "interleaved v: v per device, K / v devices):", _HEADER]
     shown = result.fitting[:top]
     lines += [_row(i + 1, x, result.budget) for i, x in enumerate(shown)]
     best = result.fitting[0]
