@@ -51,12 +51,20 @@ def _leaf_shapes(shapes: Any) -> list[tf.TensorShape]:
     if isinstance(shapes, NestedMap):
         return [s for s in shapes.Flatten() if s is not None]
     if isinstance(shapes, (tuple, list)) and not isinstance(shapes, tf.TensorShape):
+        if shapes and all(d is None or isinstance(d, int) for d in shapes):
+            return [tf.TensorShape(shapes)]  # One shape written as a list of dimensions.
         return [leaf for s in shapes for leaf in _leaf_shapes(s)]
     return [shapes]
 
 
 def activation_bytes(shapes: Any, dtype: tf.DType = tf.float32) -> int:
-    """Bytes of the tensors with the given (nested) shapes, all of `dtype`."""
+    """Bytes of the tensors with the given (nested) shapes, all of `dtype`.
+
+    A list or tuple of ints is one shape; of shapes, several:
+
+    >>> activation_bytes([2, 3]), activation_bytes(([2, 3], tf.TensorShape([4])))
+    (24, 40)
+    """
     total = 0
     for s in _leaf_shapes(shapes):
         total += int(tf.TensorShape(s).num_elements() or 0)

@@ -106,7 +106,7 @@ def _conv_meta(
     return base_layer.fprop_meta(
         flops, tf.TensorShape([b, out_h, out_w, out_channels]), num_params, dtype,
         weight_op_bytes=base_layer.activation_bytes(shape, dtype) + base_layer.activation_bytes(
-            [b, out_h, out_w, out_channels], dtype),
+            tf.TensorShape([b, out_h, out_w, out_channels]), dtype),
     )
 
 
