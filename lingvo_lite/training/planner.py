@@ -13,8 +13,8 @@ candidate gets
 * its step time from `simulator.simulate`: each cell's forward = its layers' FLOPs / the device
   throughput (`--plan_device_flops`, default `DEFAULT_DEVICE_FLOPS`) + a fixed per-action
   overhead, backward = 2 x forward (+ the forward again when recomputed), a boundary crossing
-  = its bytes / `DEFAULT_LINK_BYTES_PER_S`, and with R > 1 a ring all-reduce of the largest
-  cell's gradients.
+  = its bytes / `DEFAULT_LINK_BYTES_PER_S`, and with R > 1 a ring all-reduce of the gradients
+  of the device that holds the most.
 
 Plans are ranked by predicted examples/s (mini-batch / step time).
 
