@@ -209,8 +209,9 @@ def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: in
         kept_input=0.0 if k == 0 else boundary_in,
         forward_work=max((m.saved_bytes for m in cell), default=0) / num_micro,
         backward_work=backward_work + boundary_out,
-        # Deferring, a re-computing call's records are among what it holds (measured:
-        # zero-bubble's re-computing devices at T >= 4 peak within 4 MiB of 1F1B's).
+        # Deferring, a re-computing call's records are among what it holds (measured on the
+        # Transformer: zero-bubble's re-computing devices at T >= 4 peak within 4 MiB of
+        # 1F1B's; AmoebaNet's K=4 device 1 holds about 12 MiB more, BENCHMARKS.md 9c).
         call_work=saved + largest_temporaries + boundary_out,
         records=sum(m.deferred_bytes for m in cell) / num_micro if defer else 0.0)
 
