@@ -146,6 +146,16 @@ def test_action_str_and_order():
     assert sorted(acts) == [Action(F, 0, 0), Action(F, 0, 1), Action(F, 1, 0), Action(B, 0, 0)]
 
 
+def test_device_orders_are_built_once_and_match_device_order():
+    for sched in (schedule.make_schedule('zero_bubble', 3, 4),
+                  schedule.make_schedule('interleaved', 4, 4, virtual_stages=2)):
+        orders = sched.device_orders()
+        assert orders is sched.device_orders()
+        assert [list(o) for o in orders] == [sched.device_order(d)
+                                             for d in range(sched.num_devices)]
+        assert all(isinstance(o, tuple) for o in orders)  # Nobody can change the cached ones.
+
+
 @pytest.mark.parametrize('args,fragment', [
     ((0, 4), 'num_cells=0'),
     ((2, 0), 'num_micro_batches=0'),

@@ -263,7 +263,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         largest_weights = max((m.trainable_bytes for m in held), default=0)
         gradients = (trainable + min(trainable, 2 * largest_weights)
                      + (trainable - largest_weights if num_micro > 1 else 0))
-        order = sched.device_order(d)
+        order = sched.device_orders()[d]
         last_backward = {action.cell: i for i, action in enumerate(order)
                          if action.phase is Phase.BACKWARD}
         landed = {k: (_landing_times(timeline, Phase.FORWARD, k - 1, num_micro),

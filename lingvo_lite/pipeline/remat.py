@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
 
 __all__: list[str] = []
@@ -25,6 +27,9 @@ def check_remat_mode(mode: str) -> None:
         raise ValueError(f"remat={mode!r}; use one of {REMAT_MODES}.")
 
 
+# The planner asks for the same (schedule, mode) several times (its own check, the
+# simulator, the memory model); a schedule never changes, so the answer is kept.
+@functools.lru_cache(maxsize=32)
 def remat_plan(sched: Schedule, mode: str) -> frozenset[tuple[int, int]]:
     """The (cell, micro_batch) pairs whose forward keeps its activations for the backward.
 
@@ -37,8 +42,7 @@ def remat_plan(sched: Schedule, mode: str) -> frozenset[tuple[int, int]]:
     """
     check_remat_mode(mode)
     keep = set()
-    for d in range(sched.num_devices):
-        order = sched.device_order(d)
+    for order in sched.device_orders():
         for i, action in enumerate(order):
             if action.phase is not Phase.FORWARD:
                 continue
@@ -50,8 +54,9 @@ def remat_plan(sched: Schedule, mode: str) -> frozenset[tuple[int, int]]:
     return frozenset(keep)
 
 
-def recomputed_actions(sched: Schedule, mode: str) -> set[Action]:
+@functools.lru_cache(maxsize=32)
+def recomputed_actions(sched: Schedule, mode: str) -> frozenset[Action]:
     """The backward actions (B, never W) that first re-run their forward under `mode`."""
     keep = remat_plan(sched, mode)
-    return {Action(Phase.BACKWARD, k, t) for k in range(sched.num_cells)
-            for t in range(sched.num_micro_batches) if (k, t) not in keep}
+    return frozenset(Action(Phase.BACKWARD, k, t) for k in range(sched.num_cells)
+                     for t in range(sched.num_micro_batches) if (k, t) not in keep)

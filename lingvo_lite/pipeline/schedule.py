@@ -40,10 +40,10 @@ Example:
 from __future__ import annotations
 
 import abc
-import dataclasses
 import enum
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 __all__ = [
     "Action",
@@ -90,16 +90,19 @@ class Phase(enum.Enum):
             return NotImplemented
         return self._rank() >= other._rank()
 
+    # Members are singletons compared by identity; Enum's own hash (of the name, in Python)
+    # dominated the planner's dictionary lookups of actions.
+    __hash__ = object.__hash__
+
 
 _PHASE_RANK = {'F': 0, 'B': 1, 'W': 2}
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class Action:
+class Action(NamedTuple):
     """One unit of pipeline work: `phase` of cell `cell` on micro-batch `micro_batch`.
 
     Sorting orders forwards before backwards before weight gradients, then by cell, then by
-    micro-batch.
+    micro-batch. (A named tuple: the simulator and the planner hash millions of actions.)
     """
 
     phase: Phase
@@ -165,6 +168,7 @@ class Schedule(abc.ABC):
         self._num_devices = (self._num_cells if num_devices is None
                              else _check_count(num_devices, 'num_devices'))
         self._timeline: list[list[Action | None]] | None = None
+        self._device_orders: tuple[tuple[Action, ...], ...] | None = None
 
     @property
     def num_cells(self) -> int:
@@ -220,7 +224,19 @@ class Schedule(abc.ABC):
             raise NotImplementedError(f'{type(self).__name__} must define cell_order or '
                                       'device_order')
         self._check_cell(cell)
-        return [a for a in self.device_order(self.device_of_cell(cell)) if a.cell == cell]
+        return [a for a in self.device_orders()[self.device_of_cell(cell)] if a.cell == cell]
+
+    def device_orders(self) -> tuple[tuple[Action, ...], ...]:
+        """Every device's `device_order`, built once (a schedule never changes): what the
+        simulator, the memory model and the planner walk, many times per schedule.
+
+        >>> [len(order) for order in make_schedule('gpipe', 2, 3).device_orders()]
+        [6, 6]
+        """
+        if self._device_orders is None:
+            self._device_orders = tuple(tuple(self.device_order(d))
+                                        for d in range(self.num_devices))
+        return self._device_orders
 
     def _check_cell(self, cell: int) -> None:
         if isinstance(cell, bool) or not isinstance(cell, int) or not 0 <= cell < self.num_cells:
@@ -246,8 +262,7 @@ class Schedule(abc.ABC):
     def _order_problems(self) -> tuple[list[list[Action]], list[str]]:
         """Each device's order, and one line per action missing, repeated or misplaced."""
         orders, problems = [], []
-        for d in range(self.num_devices):
-            order = list(self.device_order(d))
+        for d, order in enumerate(self.device_orders()):
             cells = self.cells_of_device(d)
             expected = {Action(p, k, t) for p in self.phases for k in cells
                         for t in range(self.num_micro_batches)}
@@ -268,7 +283,7 @@ class Schedule(abc.ABC):
                 problems.append(f'device {d} misses {len(missing)} action(s): '
                                 + ', '.join(str(a) for a in missing[:6])
                                 + (', ...' if len(missing) > 6 else ''))
-            orders.append(order)
+            orders.append(list(order))
         return orders, problems
 
     def _where(self, action: Action) -> str:

@@ -133,11 +133,17 @@ class SimulatedStep:
 
     def device_busy_time(self, device: int) -> float:
         """Time device `device` ran actions of any of its cells."""
-        return sum(self.end[a] - self.start[a] for a in self.schedule.device_order(device))
+        return sum(self.end[a] - self.start[a] for a in self._device_order(device))
 
     def device_timeline(self, device: int) -> list[tuple[Action, float, float]]:
         """(action, start, end) of each action of `device`, in its order."""
-        return [(a, self.start[a], self.end[a]) for a in self.schedule.device_order(device)]
+        return [(a, self.start[a], self.end[a]) for a in self._device_order(device)]
+
+    def _device_order(self, device: int) -> tuple[Action, ...]:
+        if not 0 <= device < self.num_devices:
+            raise ValueError(f"device={device} is out of range; the schedule has devices "
+                             f"0..{self.num_devices - 1}.")
+        return self.schedule.device_orders()[device]
 
     def breakdown(self) -> trace_analysis.Breakdown:
         """GPipe's Figure 4 split of the step, per device (as a measured step's is defined)."""
@@ -174,7 +180,7 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
       setup_time, update_time: time before the first and after the last action (input
         feeding, the optimizer's update), added to the step.
     """
-    recomputed = frozenset(remat_lib.recomputed_actions(sched, remat))
+    recomputed = remat_lib.recomputed_actions(sched, remat)
     if isinstance(costs, PhaseCosts):
         if costs.num_cells != sched.num_cells:
             raise ValueError(f"PhaseCosts has {costs.num_cells} cells, the schedule "

@@ -223,13 +223,13 @@ def _candidates(names: Sequence[str], part: partition.Partition,
         except ValueError:  # E.g. a T the schedule does not take.
             continue
         # Schedules (and below, remat policies) that do the same are tried once.
-        orders = tuple(tuple(sched.device_order(d)) for d in range(sched.num_devices))
+        orders = sched.device_orders()
         if orders in seen_orders:
             continue
         seen_orders.add(orders)
         seen_remat = set()
         for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
-            recomputed = frozenset(remat_lib.recomputed_actions(sched, remat))
+            recomputed = remat_lib.recomputed_actions(sched, remat)
             if recomputed in seen_remat:
                 continue
             seen_remat.add(recomputed)
