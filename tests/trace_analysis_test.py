@@ -118,19 +118,26 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_imbalanced_partition_has_a_larger_imbalance_share(self):
         # Medians over 5 steps: a step whose op was descheduled by another process on the
-        # shared cores must not decide the comparison.
-        balanced = _profile_pipeline(4, split_points=[NUM_LAYERS // 2], num_steps=5)
-        skewed = _profile_pipeline(4, split_points=[NUM_LAYERS - 1], num_steps=5)
-        share = {}
-        for name, steps in (("balanced", balanced), ("skewed", skewed)):
-            parts = [trace_analysis.compute_breakdown(evs, 2) for evs in steps]
-            share[name] = float(np.median([b.load_imbalance for b in parts]))
-            for b in parts:
-                total = (b.setup + b.compute + b.recompute + b.load_imbalance + b.bubble
-                         + b.weight_update)
-                self.assertAllClose(1.0, total, atol=1e-9)
+        # shared cores must not decide the comparison. A process that keeps both cores busy
+        # for the whole measurement (the other test worker) stretches either device's ops;
+        # that can only hide the difference, so the pair is measured up to 3 times.
+        shares = []
+        for _ in range(3):
+            balanced = _profile_pipeline(4, split_points=[NUM_LAYERS // 2], num_steps=5)
+            skewed = _profile_pipeline(4, split_points=[NUM_LAYERS - 1], num_steps=5)
+            share = {}
+            for name, steps in (("balanced", balanced), ("skewed", skewed)):
+                parts = [trace_analysis.compute_breakdown(evs, 2) for evs in steps]
+                share[name] = float(np.median([b.load_imbalance for b in parts]))
+                for b in parts:
+                    total = (b.setup + b.compute + b.recompute + b.load_imbalance + b.bubble
+                             + b.weight_update)
+                    self.assertAllClose(1.0, total, atol=1e-9)
+            shares.append(share)
+            if share["skewed"] > share["balanced"] + 0.1:
+                break
         # Cell 0 does 7 of 8 layers (and recomputes them): most of cell 1's time is idle.
-        self.assertGreater(share["skewed"], share["balanced"] + 0.1, msg=str(share))
+        self.assertGreater(share["skewed"], share["balanced"] + 0.1, msg=str(shares))
         parts = sorted((trace_analysis.compute_breakdown(evs, 2) for evs in skewed),
                        key=lambda b: b.load_imbalance)
         median = parts[len(parts) // 2]
