@@ -182,18 +182,26 @@ def transformer_table(budget: int, micro: int, ks: list[int]) -> list[str]:
     lines = [f"## Largest Transformer T(L, 8192, 16) per K: {budget / GIB:g} GiB per device, "
              f"sequence length 1024, batch 32, T={micro}", "",
              "| scenario | K | largest L here (total layers) | parameters here | paper total "
-             "layers | paper parameters | here / paper (parameters) |",
-             "|---|---|---|---|---|---|---|"]
+             "layers | paper parameters | here / paper (layers) | here / paper (parameters) |",
+             "|---|---|---|---|---|---|---|---|"]
     paper = {(name, k): (layers, params) for name, k, layers, params in TRANSFORMER_PAPER}
     for name, k in [("Naive-1", 1)] + [(f"Pipeline-{k}", k) for k in ks]:
         t, schedule, remat = _scenario(name, k, micro)
         n = largest_layers(k, t, schedule, remat, budget)
-        params = _counts(transformer_params(n)[0])[0] if n else 0
         paper_layers, paper_params = paper.get((name, k), (None, None))
-        lines.append(
-            f"| {name} | {k} | {n} ({2 * n}) | {params / 1e9:.2f}B | "
-            + (f"{paper_layers} | {paper_params / 1e9:.2f}B | {params / paper_params:.2f} |"
-               if paper_layers else "- | - | - |"))
+        if n:
+            params = _counts(transformer_params(n)[0])[0]
+            ours = f"{n} ({2 * n}) | {params / 1e9:.2f}B"
+            ratio = (f"{2 * n / paper_layers:.2f} | {params / paper_params:.2f}" if paper_layers
+                     else "- | -")
+        else:
+            smallest = peak(*transformer_params(1), k, t, schedule, remat)
+            ours = (f"none (L=1 needs {smallest / GIB:.1f} GiB)" if smallest is not None
+                    else "none") + " | -"
+            ratio = "- | -"
+        lines.append(f"| {name} | {k} | {ours} | "
+                     + (f"{paper_layers} | {paper_params / 1e9:.2f}B | {ratio} |"
+                        if paper_layers else "- | - | - | - |"))
     return lines
 
 

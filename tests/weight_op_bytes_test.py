@@ -102,3 +102,29 @@ def test_amoebanet_stem_and_cells_declare_their_records():
         shapes = meta.out_shapes[0]
         checked += 1
     assert checked >= 4
+
+
+def test_transformer_layers_declare_their_records():
+    # Encoder, encoder-to-decoder, decoder and softmax layers sum their children's records
+    # (the decoder's cross-attention holds encoder_output and the query separately).
+    from tasks.mt import layers as mt
+
+    b, s, t, vocab = 2, 6, 5, 11
+    x = NestedMap(src_ids=tf.constant(np.arange(b * s).reshape(b, s) % vocab, tf.int32),
+                  src_paddings=tf.zeros([b, s]),
+                  tgt_ids=tf.constant(np.arange(b * t).reshape(b, t) % vocab, tf.int32),
+                  tgt_paddings=tf.zeros([b, t]),
+                  tgt_labels=tf.constant(np.arange(b * t).reshape(b, t) % vocab, tf.int32),
+                  tgt_weights=tf.ones([b, t]))
+    shapes = x.Transform(lambda v: v.shape)
+    checked = 0
+    for p in mt.transformer_layers(vocab, 8, 16, 2, 1, 1):
+        meta = p.cls.FPropMeta(p, shapes)
+        layer = p.Instantiate()
+        if meta.get("weight_op_bytes"):
+            assert _recorded_bytes(layer, [x]) == meta.weight_op_bytes, p.name
+            checked += 1
+        with fprop_context.fprop_context(training=True):
+            x = layer.FProp(layer.theta, x)
+        shapes = meta.out_shapes[0] if isinstance(meta.out_shapes, tuple) else meta.out_shapes
+    assert checked == 3  # Encoder, decoder, softmax (the embedding and the layer norm: 0).

@@ -213,13 +213,17 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             flops += B * Tq * H + 2 * B * Tk * H + B * Tq * D
             num_params += 3 * H + D
         dtype = p.fprop_dtype or p.dtype
-        # Kept for the backward: the Q, K, V projections, the softmax probabilities, the
-        # context and the output projection.
-        saved = (B * Tq * H + 2 * B * Tk * H + B * N * Tq * Tk + B * Tq * H + B * Tq * D)
-        # A deferred weight gradient holds each projection's input (query, and key and value
-        # unless shaped like it: self-attention passes one tensor) and output gradient, and
-        # the output projection's input (the context) and output gradient.
-        inputs = B * Tq * D + (0 if key == query and value == query else B * Tk * D + B * Tk * D)
+        # Kept for the backward: the query input (the Q projection's weight gradient reads
+        # it), the Q, K, V projections, the context and the float32 softmax probabilities;
+        # with attention dropout also its mask and the dropped probabilities (float32).
+        probs = B * N * Tq * Tk * (3 if p.atten_dropout_prob > 0.0 else 1)
+        saved = B * Tq * D + B * Tq * H + 2 * B * Tk * H + B * Tq * H
+        # A deferred weight gradient holds each projection's input and output gradient, and
+        # the output projection's input (the context) and output gradient. Inputs of one shape
+        # are taken as one tensor, held once: self-attention passes one tensor as query, key
+        # and value, cross-attention one memory as key and value.
+        inputs = B * Tq * D + (B * Tk * D if key != query else 0)
+        inputs += B * Tk * D if value != query and value != key else 0
         weight_ops = inputs + (B * Tq * H + 2 * B * Tk * H) + (B * Tq * H + B * Tq * D)
         size = tf.as_dtype(dtype).size
         return base_layer.fprop_meta(
@@ -227,6 +231,6 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             out_shapes=tf.TensorShape([B, Tq, D]),
             num_params=num_params,
             dtype=dtype,
-            saved_activation_bytes=saved * size,
+            saved_activation_bytes=saved * size + probs * tf.float32.size,
             weight_op_bytes=weight_ops * size,
         )

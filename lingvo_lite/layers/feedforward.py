@@ -85,14 +85,30 @@ class FeedForwardLayer(base_layer.BaseLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs_shape: Any) -> NestedMap:
         shape = normalization.check_input_shape(cls.__name__, base_layer.to_shape(inputs_shape),
                                                 2, p.input_dim, "input_dim")
-        metas = composite.chain_meta(list(cls.declare_children(p).values()), shape)
+        children = cls.declare_children(p)
+        metas = composite.chain_meta(list(children.values()), shape)
+        by_name = dict(zip(children.keys(), metas))
         flops = sum(m.flops for m in metas)
         num_params = sum(m.num_params for m in metas)
-        saved = sum(base_layer.saved_activation_bytes(m) for m in metas)
         dtype = p.fprop_dtype or p.dtype
+        # What the backward reads: the layer norm's own tensors and its output (the first
+        # projection's input; without a layer norm that input is the previous layer's output,
+        # counted there), the hidden activation, and with relu dropout its mask and output
+        # (the second projection's input). The second projection's output and the residual
+        # sum are read by nothing.
+        saved = 0
+        if "layer_norm" in by_name:
+            saved += (base_layer.saved_activation_bytes(by_name["layer_norm"])
+                      + base_layer.activation_bytes(shape, dtype))
+        hidden = by_name["fflayer_1"]
+        saved += base_layer.saved_activation_bytes(hidden)
+        if "relu_dropout" in by_name:
+            saved += (base_layer.saved_activation_bytes(by_name["relu_dropout"])
+                      + hidden.out_bytes)
+        if "residual_dropout" in by_name:
+            saved += base_layer.saved_activation_bytes(by_name["residual_dropout"])
         if p.add_residual:
             flops += shape.num_elements()
-            saved += base_layer.activation_bytes(shape, dtype)
         return base_layer.fprop_meta(flops, shape, num_params, dtype,
                                      saved_activation_bytes=saved,
                                      weight_op_bytes=base_layer.weight_op_bytes(metas))

@@ -210,8 +210,11 @@ class LayerNorm(base_layer.BaseLayer):
                           p.input_dim, "input_dim")
         x = tf.cast(inputs, tf.float32)
         mean = tf.reduce_mean(x, axis=-1, keepdims=True)
-        variance = tf.reduce_mean(tf.square(x - mean), axis=-1, keepdims=True)
-        normed = (x - mean) * tf.math.rsqrt(variance + p.epsilon)
+        # One centred copy serves the variance and the normalisation: the backward keeps it
+        # once (written twice, both copies stayed alive until the backward).
+        centered = x - mean
+        variance = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+        normed = centered * tf.math.rsqrt(variance + p.epsilon)
         out = normed * tf.cast(theta.scale, tf.float32) + tf.cast(theta.bias, tf.float32)
         return tf.cast(out, self.fprop_dtype)
 
@@ -225,5 +228,8 @@ class LayerNorm(base_layer.BaseLayer):
             out_shapes=shape,
             num_params=2 * p.input_dim,
             dtype=p.fprop_dtype or p.dtype,
+            # The backward reads the centred input, the normalised input (for the scale's
+            # gradient) and 1 / std per position, all float32 whatever the fprop dtype.
+            saved_activation_bytes=(2 * n + n // p.input_dim) * tf.float32.size,
             weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
         )

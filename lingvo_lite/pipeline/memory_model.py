@@ -45,11 +45,14 @@ whose device walks the actions of all of them in its own order):
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
-output, the Transformer block about 20x (attention probabilities, the 4x-wide hidden layer),
-AmoebaNet cells the tensors their ops' gradients read, each once (a ReLU's output, a
-convolution's or batch norm's input, a max pool's input and output). Gradient temporaries per
-layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their largest
-intermediate values, as they back-propagate op by op), else the default below. Measured
+output; the Transformer's layers and AmoebaNet cells count the tensors their ops' gradients
+read, each once (layer norm: the centred and the normalised input and 1 / std; attention: its
+input, Q, K, V, the float32 probabilities and the context; feed-forward: its input and hidden
+activation; AmoebaNet: a ReLU's output, a convolution's or batch norm's input, a max pool's
+input and output), checked against TensorFlow's gradient graphs in
+tests/transformer_saved_bytes_test.py and tests/amoebanet_saved_bytes_test.py. Gradient
+temporaries per layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their
+largest intermediate values, as they back-propagate op by op), else the default below. Measured
 against per-device BFC peaks (one process per device, `bench/device_memory.py`) in
 `bench/memory_model_check.py` and `tests/memory_model_test.py`.
 

@@ -72,8 +72,17 @@ def _check_map(value: Any, keys: tuple[str, ...], where: str) -> NestedMap:
     return value
 
 
-def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params) -> NestedMap:
-    return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
+def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params,
+          children: list[NestedMap] | None = None, saved_extra: int = 0) -> NestedMap:
+    """FPropMeta of a layer; with `children` (their metas), it keeps what they keep (plus
+    `saved_extra` bytes of its own) and defers what they defer."""
+    if children is None:
+        return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
+    return base_layer.fprop_meta(
+        flops, out, num_params, p.fprop_dtype or p.dtype,
+        saved_activation_bytes=saved_extra + sum(base_layer.saved_activation_bytes(m)
+                                                 for m in children),
+        weight_op_bytes=base_layer.weight_op_bytes(children))
 
 
 def _shape3(shape: Any, dim: int, what: str, where: str) -> tf.TensorShape:
@@ -215,10 +224,13 @@ class _AttentionBlock(base_layer.BaseLayer):
         children = cls.declare_children(p)
         ln = children["ln"].cls.FPropMeta(children["ln"], x)
         att = children["atten"].cls.FPropMeta(children["atten"], x, kv, kv, kv[:2])
+        metas = [ln, att]
+        if "dropout" in children:
+            metas.append(children["dropout"].cls.FPropMeta(children["dropout"], x))
         n = x.num_elements()
         flops = ln.flops + att.flops + n + (3 * n if "dropout" in children else 0)
-        return base_layer.fprop_meta(flops, x, ln.num_params + att.num_params,
-                                     p.fprop_dtype or p.dtype)
+        # The residual add keeps nothing: what the block keeps is its children's.
+        return _meta(flops, x, ln.num_params + att.num_params, p, metas)
 
 
 def _block_params(p: hyperparams.Params, causal: bool) -> hyperparams.Params:
@@ -279,7 +291,7 @@ class EncoderLayer(_TransformerLayer):
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
         metas = [c.cls.FPropMeta(c, x) for c in children.values()]
         return _meta(sum(m.flops for m in metas), inputs.copy(),
-                     sum(m.num_params for m in metas), p)
+                     sum(m.num_params for m in metas), p, metas)
 
 
 class EncoderToDecoderLayer(base_layer.BaseLayer):
@@ -324,7 +336,10 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         out = NestedMap(x=inputs.y, encoder_output=x, src_paddings=inputs.src_paddings)
         for k in _TARGET_FIELDS:
             out[k] = inputs[k]
-        return _meta(ln.flops + x.num_elements(), out, ln.num_params, p)
+        # Zeroing the padded positions keeps the layer norm's output and the [B, S, 1] mask.
+        mask = base_layer.activation_bytes(x[:2].concatenate([1]), p.fprop_dtype or p.dtype)
+        return _meta(ln.flops + x.num_elements(), out, ln.num_params, p, [ln],
+                     saved_extra=base_layer.activation_bytes(x, p.fprop_dtype or p.dtype) + mask)
 
 
 class DecoderLayer(_TransformerLayer):
@@ -357,8 +372,10 @@ class DecoderLayer(_TransformerLayer):
         metas = [c.cls.FPropMeta(c, *shapes) for c, shapes in (
             (children["self_atten"], (x,)), (children["cross_atten"], (x, enc)),
             (children["ffn"], (x,)))]
+        # Plus encoder_output, which the cross-attention's key and value projections read.
         return _meta(sum(m.flops for m in metas), inputs.copy(),
-                     sum(m.num_params for m in metas), p)
+                     sum(m.num_params for m in metas), p, metas,
+                     saved_extra=base_layer.activation_bytes(enc, p.fprop_dtype or p.dtype))
 
 
 class SoftmaxLayer(base_layer.BaseLayer):
@@ -419,7 +436,16 @@ class SoftmaxLayer(base_layer.BaseLayer):
         flops = ln.flops + sm.flops + 3 * x[:2].num_elements() * p.vocab_size
         scalar = tf.TensorShape([])
         out = NestedMap(loss=scalar, loss_weight=scalar, log_pplx=scalar, accuracy=scalar)
-        return base_layer.fprop_meta(flops, out, ln.num_params + sm.num_params, tf.float32)
+        # Kept for the loss's backward: the layer norm's tensors and output (the logits'
+        # input), the log-probabilities and the smoothed targets (float32 [B, T, vocab]), the
+        # token weights and the per-token losses they weigh (float32 [B, T]).
+        tokens = x[:2].num_elements()
+        saved = (base_layer.saved_activation_bytes(ln)
+                 + base_layer.activation_bytes(x, p.fprop_dtype or p.dtype)
+                 + (2 * tokens * p.vocab_size + 2 * tokens) * tf.float32.size)
+        return base_layer.fprop_meta(flops, out, ln.num_params + sm.num_params, tf.float32,
+                                     saved_activation_bytes=saved,
+                                     weight_op_bytes=base_layer.weight_op_bytes([ln, sm]))
 
 
 def transformer_layers(vocab_size: int, model_dim: int, hidden_dim: int, num_heads: int,
