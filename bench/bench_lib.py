@@ -161,6 +161,35 @@ def amoebanet(batch: int, image_size: int, filters: int, num_normal_cells: int):
     return layers, shapes, make_batch
 
 
+def mt_transformer(batch: int, length: int, num_layers: int, dropout_prob: float,
+                   vocab: int = 512):
+    """The registered Transformer's layers (tasks/mt: embedding, encoder and decoder layers,
+    softmax) on random token ids, the last two positions of every sentence padded."""
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite.nested_map import NestedMap
+    from tasks.mt import layers as mt
+
+    layers = mt.transformer_layers(vocab, 128, 512, 4, num_layers, num_layers,
+                                   dropout_prob=dropout_prob)
+    shapes = NestedMap({k: tf.TensorShape([batch, length]) for k in (
+        "src_ids", "src_paddings", "tgt_ids", "tgt_paddings", "tgt_labels", "tgt_weights")})
+
+    def make_batch(seed: int = 0):
+        rng = np.random.default_rng(seed)
+        paddings = np.zeros((batch, length), np.float32)
+        paddings[:, -2:] = 1.0
+
+        def ids():
+            return tf.constant(rng.integers(1, vocab, (batch, length)), tf.int32)
+
+        return NestedMap(src_ids=ids(), src_paddings=tf.constant(paddings), tgt_ids=ids(),
+                         tgt_paddings=tf.constant(paddings), tgt_labels=ids(),
+                         tgt_weights=tf.constant(1.0 - paddings))
+
+    return layers, shapes, make_batch
+
 
 def model(name: str, quick: bool = False, batch_multiple: int = 1):
     """The named benchmark configuration (see BENCHMARKS.md for why each is sized so).
@@ -176,6 +205,8 @@ def model(name: str, quick: bool = False, batch_multiple: int = 1):
         return amoebanet(32 * m, 32, 32, 1) if not quick else amoebanet(16 * m, 16, 16, 1)
     if name == "weight_heavy":  # 2048x2048 dense layers on a small batch.
         return mlp(4, 64 * m, 2048)
+    if name == "mt_transformer":  # tasks/mt's layers: 2 + 2 layers, 128 tokens, dropout 0.1.
+        return mt_transformer(16 * m, 128 if not quick else 64, 2, 0.1)
     raise ValueError(f"Unknown benchmark model {name!r}.")
 
 
