@@ -4,9 +4,8 @@ The memory model reads, per layer, `saved_activation_bytes`: what the layer's ba
 from its forward. Here the same number comes from the graph: the layer's forward and its
 gradient are traced, and every forward tensor with a batch dimension that an op of the gradient
 takes as input is summed once (a reshape or identity is its source's buffer; ops that read
-only a shape are skipped). Without dropout the declarations are exact; dropout's product with
-its mask is differentiated for both factors, so its input is also read, which the layers
-leave out (it is within 10% of the whole).
+only a shape are skipped; boolean masks count 1 byte per element). The declarations are
+exact, with and without dropout.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite import base_layer, fprop_context
-from lingvo_lite.layers import attention, feedforward, normalization
+from lingvo_lite.layers import attention, dropout, feedforward, normalization
 from lingvo_lite.nested_map import NestedMap
 from tasks.mt import layers as mt
 
@@ -60,7 +59,8 @@ def _read_by_gradient(layer, inputs) -> int:
             while t.op.type in VIEW_OPS:
                 t = t.op.inputs[0]
             forward = t.op.name.startswith("fwd/") or any(t is p for p in placeholders)
-            if (forward and t.dtype.is_floating and t.shape.rank and t.shape.rank >= 2
+            if (forward and (t.dtype.is_floating or t.dtype == tf.bool) and t.shape.rank
+                    and t.shape.rank >= 2
                     and t.shape[0] in (B, B * S, B * T)):
                 read[id(t)] = t
     return sum(t.shape.num_elements() * t.dtype.size for t in read.values())
@@ -90,6 +90,18 @@ class TransformerSavedBytesTest(tf.test.TestCase):
         meta = p.cls.FPropMeta(p, *(meta_args or (x.shape,)))
         self.assertEqual(base_layer.saved_activation_bytes(meta),
                          _read_by_gradient(p.Instantiate(), x))
+
+    def test_dropout_keeps_its_boolean_mask_only(self):
+        # A select on the mask: neither a float mask nor the input is kept.
+        for dims in (None, [1]):
+            with self.subTest(noise_shape_broadcast_dims=dims):
+                p = dropout.DropoutLayer.Params().Set(name="drop", keep_prob=0.7,
+                                                      noise_shape_broadcast_dims=dims)
+                x = tf.random.normal([B, S, D])
+                self._check(p, x)
+                mask = B * D if dims else B * S * D
+                self.assertEqual(base_layer.saved_activation_bytes(
+                    p.cls.FPropMeta(p, x.shape)), mask * tf.bool.size)
 
     def test_layer_norm(self):
         for dtype in (None, tf.bfloat16):
@@ -140,12 +152,8 @@ class TransformerSavedBytesTest(tf.test.TestCase):
                 meta = p.cls.FPropMeta(p, shapes)
                 if p.cls is not mt.EmbeddingInputLayer:  # It declares no estimate.
                     with self.subTest(layer=p.name, dropout_prob=dropout_prob):
-                        declared = base_layer.saved_activation_bytes(meta)
-                        read = _read_by_gradient(layer, x)
-                        if dropout_prob:
-                            self.assertBetween(declared, 0.9 * read, read)
-                        else:
-                            self.assertEqual(declared, read)
+                        self.assertEqual(base_layer.saved_activation_bytes(meta),
+                                         _read_by_gradient(layer, x))
                 with fprop_context.fprop_context(training=True, step_seed=3):
                     x = layer.FProp(layer.theta, x)
                 shapes = meta.out_shapes

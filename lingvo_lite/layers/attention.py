@@ -215,9 +215,14 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         dtype = p.fprop_dtype or p.dtype
         # Kept for the backward: the query input (the Q projection's weight gradient reads
         # it), the Q, K, V projections, the context and the float32 softmax probabilities;
-        # with attention dropout also its mask and the dropped probabilities (float32).
-        probs = B * N * Tq * Tk * (3 if p.atten_dropout_prob > 0.0 else 1)
+        # with attention dropout also its boolean mask and the dropped probabilities.
+        probs = B * N * Tq * Tk
         saved = B * Tq * D + B * Tq * H + 2 * B * Tk * H + B * Tq * H
+        kept_masks = probs * (tf.bool.size + tf.float32.size) if p.atten_dropout_prob > 0.0 else 0
+        # The masking select keeps its boolean condition: [B, 1, 1, Tk] from the paddings, or
+        # [B, 1, Tq, Tk] with the causal mask too (the causal mask alone has no batch).
+        if paddings is not None:
+            kept_masks += B * Tk * (Tq if p.causal_mask else 1) * tf.bool.size
         # A deferred weight gradient holds each projection's input and output gradient, and
         # the output projection's input (the context) and output gradient. Inputs of one shape
         # are taken as one tensor, held once: self-attention passes one tensor as query, key
@@ -231,6 +236,6 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             out_shapes=tf.TensorShape([B, Tq, D]),
             num_params=num_params,
             dtype=dtype,
-            saved_activation_bytes=saved * size + probs * tf.float32.size,
+            saved_activation_bytes=saved * size + probs * tf.float32.size + kept_masks,
             weight_op_bytes=weight_ops * size,
         )

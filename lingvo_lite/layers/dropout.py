@@ -18,6 +18,7 @@ Python ints or scalar int tensors. A PipeliningLayer sets `batch_dim` to its own
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,8 +125,11 @@ def dropout(x: tf.Tensor, keep_prob: Any, seed: int | Sequence[int], step_seed: 
         example_offset = 0  # One mask for the whole batch, wherever the micro-batch starts.
     u = uniform_hash(noise_shape, seed, step_seed, example_offset, batch_dim)
     keep_prob_f = tf.cast(keep_prob, tf.float32)
-    scale = tf.where(u < keep_prob_f, 1.0 / keep_prob_f, tf.zeros_like(u))
-    return x * tf.cast(scale, x.dtype)
+    # A select on a boolean mask: the backward keeps the mask, 1 byte per element. A product
+    # with a float mask kept 4 bytes per element and x as well (the product's gradient for the
+    # mask reads x, even though nothing asks for it). Same values and gradients.
+    scaled = x * tf.cast(1.0 / keep_prob_f, x.dtype)
+    return tf.where(u < keep_prob_f, scaled, tf.zeros([], x.dtype))
 
 
 def drop_path(x: tf.Tensor, keep_prob: Any, seed: int | Sequence[int]) -> tf.Tensor:
@@ -195,11 +199,20 @@ class DropoutLayer(base_layer.BaseLayer):
         _check_keep_prob(p.keep_prob, p.name or cls.__name__)
         shape = base_layer.to_shape(inputs)
         flops = 0
+        mask = 0
         if p.keep_prob != 1.0:
             # Counted in training mode: one multiply per element plus the mask's
             # compare and select (integer hashing is not counted as flops).
             flops = 3 * int(shape.num_elements() or 0)
-        return base_layer.fprop_meta(flops, shape, 0, p.fprop_dtype or p.dtype)
+            # The backward keeps the boolean mask (1 byte per element of the noise shape).
+            mask = cls._mask_elements(p, shape)
+        return base_layer.fprop_meta(flops, shape, 0, p.fprop_dtype or p.dtype,
+                                     saved_activation_bytes=mask * tf.bool.size)
+
+    @classmethod
+    def _mask_elements(cls, p: hyperparams.Params, shape: tf.TensorShape) -> int:
+        dims = _normalize_dims(p.noise_shape_broadcast_dims, shape.rank, cls.__name__)
+        return math.prod(int(d) for i, d in enumerate(shape.as_list()) if i not in dims)
 
 
 class DropPathLayer(DropoutLayer):
@@ -213,3 +226,7 @@ class DropPathLayer(DropoutLayer):
 
     def _broadcast_dims(self, rank: int, batch_dim: int) -> Sequence[int] | None:
         return _all_but(batch_dim, rank)
+
+    @classmethod
+    def _mask_elements(cls, p: hyperparams.Params, shape: tf.TensorShape) -> int:
+        return int(shape[0])  # One per example (FPropMeta's shapes are batch-major).

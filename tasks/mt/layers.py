@@ -223,7 +223,9 @@ class _AttentionBlock(base_layer.BaseLayer):
         kv = x if memory is None else tf.TensorShape(memory)
         children = cls.declare_children(p)
         ln = children["ln"].cls.FPropMeta(children["ln"], x)
-        att = children["atten"].cls.FPropMeta(children["atten"], x, kv, kv, kv[:2])
+        # The decoder's causal self-attention runs without paddings (DecoderLayer.FProp).
+        att = children["atten"].cls.FPropMeta(children["atten"], x, kv, kv,
+                                              None if p.causal else kv[:2])
         metas = [ln, att]
         if "dropout" in children:
             metas.append(children["dropout"].cls.FPropMeta(children["dropout"], x))

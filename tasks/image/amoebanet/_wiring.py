@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer
-from lingvo_lite.layers import conv, dropout, normalization, pooling
+from lingvo_lite.layers import conv, normalization, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import InstantiableParams, Params, dtype_of, num_elements
 
@@ -182,9 +182,8 @@ def backward_needs(child: InstantiableParams, x: tf.TensorShape,
     if issubclass(cls, pooling.PoolingLayer):
         reads = child.pooling_type == "MAX"
         return reads, reads, 0
-    if issubclass(cls, dropout.DropPathLayer):  # Its per-example mask, when it drops.
-        mask = x[0] * tf.as_dtype(child.fprop_dtype or child.dtype).size
-        return False, False, mask if child.keep_prob < 1.0 else 0
+    # Any other layer (drop path: its per-example boolean mask, when it drops) keeps what its
+    # FPropMeta says.
     return False, False, base_layer.saved_activation_bytes(meta)
 
 
