@@ -59,9 +59,9 @@ def _read_by_gradient(layer, inputs) -> int:
             while t.op.type in VIEW_OPS:
                 t = t.op.inputs[0]
             forward = t.op.name.startswith("fwd/") or any(t is p for p in placeholders)
+            batch_dims = (B, B * S, B * T) if (t.shape.rank or 0) >= 2 else (B * S, B * T)
             if (forward and (t.dtype.is_floating or t.dtype == tf.bool) and t.shape.rank
-                    and t.shape.rank >= 2
-                    and t.shape[0] in (B, B * S, B * T)):
+                    and t.shape[0] in batch_dims):
                 read[id(t)] = t
     return sum(t.shape.num_elements() * t.dtype.size for t in read.values())
 

@@ -24,32 +24,52 @@ def xent_with_label_smoothing(logits: tf.Tensor, labels: tf.Tensor,
 
     The target distribution is `(1 - ls) * onehot(label) + ls / num_classes`
     (Szegedy et al. 2016, as in Lingvo), and the loss is
-    `-sum_c target_c * log softmax(logits)_c`.
+    `-sum_c target_c * log softmax(logits)_c`. TensorFlow's fused kernel computes the loss and
+    its gradient `softmax(logits) - targets` together; the backward keeps that one
+    [..., num_classes] tensor, where a log-softmax and a product would keep two (the
+    log-probabilities and the targets).
+
+    >>> logits = tf.constant([[2.0, 0.0, 0.0]])
+    >>> round(float(xent_with_label_smoothing(logits, tf.constant([0]), 0.3)[0]), 4)
+    0.6395
 
     Args:
       logits: [..., num_classes].
-      labels: integer class ids, shaped like `logits` without its last axis.
+      labels: integer class ids in [0, num_classes), shaped like `logits` without its last
+        axis.
       label_smoothing: ls in [0, 1).
 
     Returns:
       [...] float32 cross-entropies.
     """
-    log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32), axis=-1)
-    return _xent_from_log_probs(log_probs, labels, label_smoothing)
-
-
-def _xent_from_log_probs(log_probs: tf.Tensor, labels: tf.Tensor,
-                         label_smoothing: float) -> tf.Tensor:
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}.")
-    num_classes = log_probs.shape[-1]
+    logits = tf.cast(logits, tf.float32)
+    num_classes = logits.shape[-1]
     if num_classes is None:
-        num_classes = tf.shape(log_probs)[-1]
-    targets = tf.one_hot(tf.cast(labels, tf.int32), num_classes, dtype=tf.float32)
-    if label_smoothing > 0.0:
-        uniform = label_smoothing / tf.cast(num_classes, tf.float32)
-        targets = (1.0 - label_smoothing) * targets + uniform
-    return -tf.reduce_sum(targets * log_probs, axis=-1)
+        num_classes = tf.shape(logits)[-1]
+    flat_labels = tf.reshape(tf.cast(labels, tf.int32), [-1])
+
+    @tf.custom_gradient
+    def fused_xent(flat_logits: tf.Tensor) -> tf.Tensor:
+        if label_smoothing == 0.0:
+            loss, backprop = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(
+                features=flat_logits, labels=flat_labels)
+        else:
+            uniform = label_smoothing / tf.cast(num_classes, tf.float32)
+            targets = tf.one_hot(flat_labels, num_classes, dtype=tf.float32,
+                                 on_value=1.0 - label_smoothing + uniform, off_value=uniform)
+            loss, backprop = tf.raw_ops.SoftmaxCrossEntropyWithLogits(features=flat_logits,
+                                                                      labels=targets)
+
+        def grad(dloss: tf.Tensor) -> tf.Tensor:
+            return dloss[:, None] * backprop
+
+        return loss, grad
+
+    loss = fused_xent(tf.reshape(logits, [-1, num_classes]))
+    outer = logits.shape[:-1]
+    return tf.reshape(loss, outer if outer.is_fully_defined() else tf.shape(logits)[:-1])
 
 
 class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
@@ -118,7 +138,7 @@ class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
                              f"shape without the last axis, {inputs.shape[:-1]}.")
         logits = self.Logits(theta, inputs)
         log_probs = tf.nn.log_softmax(logits, axis=-1)
-        per_example_xent = _xent_from_log_probs(log_probs, class_ids, p.label_smoothing)
+        per_example_xent = xent_with_label_smoothing(logits, class_ids, p.label_smoothing)
         if class_weights is None:
             weights = tf.ones_like(per_example_xent)
         else:

@@ -411,12 +411,12 @@ class SoftmaxLayer(base_layer.BaseLayer):
         inputs = _check_map(inputs, ("x", "tgt_labels", "tgt_weights"), self.path)
         p = self.params
         logits = self.Logits(theta, inputs.x)
-        log_probs = tf.nn.log_softmax(logits, axis=-1)
         weights = tf.cast(inputs.tgt_weights, tf.float32)
         labels = tf.cast(inputs.tgt_labels, tf.int32)
         num_tokens = tf.reduce_sum(weights)
         xent = losses.xent_with_label_smoothing(logits, labels, p.label_smoothing)
-        nll = -tf.reduce_sum(tf.one_hot(labels, p.vocab_size) * log_probs, axis=-1)
+        # A metric: no gradient, so its backward keeps nothing.
+        nll = losses.xent_with_label_smoothing(tf.stop_gradient(logits), labels)
         correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels),
                           tf.float32)
 
@@ -439,12 +439,12 @@ class SoftmaxLayer(base_layer.BaseLayer):
         scalar = tf.TensorShape([])
         out = NestedMap(loss=scalar, loss_weight=scalar, log_pplx=scalar, accuracy=scalar)
         # Kept for the loss's backward: the layer norm's tensors and output (the logits'
-        # input), the log-probabilities and the smoothed targets (float32 [B, T, vocab]), the
-        # token weights and the per-token losses they weigh (float32 [B, T]).
+        # input), the fused cross-entropy's gradient softmax - targets (float32 [B, T, vocab]),
+        # the token weights and the per-token losses they weigh (float32 [B, T]).
         tokens = x[:2].num_elements()
         saved = (base_layer.saved_activation_bytes(ln)
                  + base_layer.activation_bytes(x, p.fprop_dtype or p.dtype)
-                 + (2 * tokens * p.vocab_size + 2 * tokens) * tf.float32.size)
+                 + (tokens * p.vocab_size + 2 * tokens) * tf.float32.size)
         return base_layer.fprop_meta(flops, out, ln.num_params + sm.num_params, tf.float32,
                                      saved_activation_bytes=saved,
                                      weight_op_bytes=base_layer.weight_op_bytes([ln, sm]))
