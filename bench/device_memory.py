@@ -190,7 +190,8 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None) -
 
 
 def random_batch(shapes, seed: int = 0):
-    """A batch shaped like `shapes` (NestedMap of shapes): normal floats, zero integers."""
+    """A batch shaped like `shapes` (NestedMap of shapes): normal floats, zero integers, no
+    padding (fields named `*paddings` 0, `*weights` 1)."""
     import numpy as np
     import tensorflow as tf
 
@@ -200,13 +201,17 @@ def random_batch(shapes, seed: int = 0):
     rng = np.random.default_rng(seed)
     shapes = base_layer.to_shape(shapes)
 
-    def one(shape, dtype):
+    def one(shape, dtype, name=""):
+        if name.endswith("paddings"):  # Every position real.
+            return tf.zeros(shape.as_list(), dtype)
+        if name.endswith("weights"):
+            return tf.ones(shape.as_list(), dtype)
         if dtype.is_floating:
             return tf.constant(rng.normal(size=shape.as_list()), dtype)
         return tf.zeros(shape.as_list(), dtype)
 
     if isinstance(shapes, dict):
-        return NestedMap({k: one(v, tf.int32 if k in _INT_FIELDS else tf.float32)
+        return NestedMap({k: one(v, tf.int32 if k in _INT_FIELDS else tf.float32, k)
                           for k, v in shapes.items()})
     return one(shapes, tf.float32)
 

@@ -79,6 +79,10 @@ EXTRA_PARAM_COUNTS = ("non_trainable_params", "training_only_params")
 # 1x for dense layers (matmul, bias and activation fused) and for conv/batch-norm ops; layers
 # with larger internals (attention, wide feed-forward, AmoebaNet cells) give their own sum.
 DEFAULT_SAVED_ACTIVATION_FACTOR = 1.0
+# The default gradient temporaries (`backward_temporary_bytes`), fitted on the Transformer
+# blocks of bench/bench_lib.py (BENCHMARKS.md section 9).
+DEFAULT_GRADIENT_TEMPORARY_FACTOR = 2.0
+DEFAULT_SAVED_GRADIENT_FRACTION = 0.5
 
 
 def saved_activation_bytes(meta: NestedMap) -> int:
@@ -97,6 +101,26 @@ def saved_activation_bytes(meta: NestedMap) -> int:
     return int(saved)
 
 
+def backward_temporary_bytes(meta: NestedMap) -> int:
+    """Bytes of gradient temporaries while back-propagating through `meta`'s layer (whole
+    mini-batch), beyond what it saved.
+
+    The layer's own `backward_temporary_bytes` when its FPropMeta set one, else the default:
+    at least the gradient flowing in and the one going out (`DEFAULT_GRADIENT_TEMPORARY_FACTOR`
+    x its output), and for layers with large internal activations (attention probabilities, a
+    wide hidden layer) `DEFAULT_SAVED_GRADIENT_FRACTION` of what it saved.
+
+    >>> m = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
+    >>> backward_temporary_bytes(m)  # max(2 x 128, 0.5 x 1024)
+    512
+    """
+    declared = meta.get("backward_temporary_bytes")
+    if declared is not None:
+        return int(declared)
+    return int(max(DEFAULT_GRADIENT_TEMPORARY_FACTOR * meta.out_bytes,
+                   DEFAULT_SAVED_GRADIENT_FRACTION * saved_activation_bytes(meta)))
+
+
 def extra_param_counts(metas: Any) -> dict[str, int]:
     """Sums of the children's `non_trainable_params` and `training_only_params`."""
     return {key: sum(int(m.get(key, 0)) for m in metas) for key in EXTRA_PARAM_COUNTS}
@@ -106,7 +130,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                dtype: tf.DType = tf.float32, non_trainable_params: int = 0,
                training_only_params: int = 0,
                saved_activation_bytes: int | None = None,
-               weight_op_bytes: int | None = None) -> NestedMap:
+               weight_op_bytes: int | None = None,
+               backward_temporary_bytes: int | None = None) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -127,6 +152,9 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         weights through `layers.weight_ops` (a matmul's input and output), for the whole
         mini-batch: what a deferred weight gradient holds from B to W (zero-bubble, batched
         weight gradients). None: not declared (the memory model then estimates it).
+      backward_temporary_bytes: bytes of gradient temporaries while back-propagating through
+        the layer, beyond what it saved (whole mini-batch); None: the default estimate
+        (`backward_temporary_bytes()`).
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -142,6 +170,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         meta.saved_activation_bytes = int(saved_activation_bytes)
     if weight_op_bytes is not None:
         meta.weight_op_bytes = int(weight_op_bytes)
+    if backward_temporary_bytes is not None:
+        meta.backward_temporary_bytes = int(backward_temporary_bytes)
     return meta
 
 

@@ -52,9 +52,12 @@ activation; AmoebaNet: a ReLU's output, a convolution's or batch norm's input, a
 input and output), checked against TensorFlow's gradient graphs in
 tests/transformer_saved_bytes_test.py and tests/amoebanet_saved_bytes_test.py. Gradient
 temporaries per layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their
-largest intermediate values, as they back-propagate op by op), else the default below. Measured
-against per-device BFC peaks (one process per device, `bench/device_memory.py`) in
-`bench/memory_model_check.py` and `tests/memory_model_test.py`.
+largest intermediate values, as they back-propagate op by op; the registered Transformer's
+layers: their largest sub-layer's, as they back-propagate one sub-layer after another; its
+softmax: the logits and the smoothed targets), else the default of
+`base_layer.backward_temporary_bytes`. Measured against per-device BFC peaks (one process per
+device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
+`tests/memory_model_test.py`.
 
 >>> from lingvo_lite.pipeline import memory_model, partition, schedule
 >>> layers = [memory_model.LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800,
@@ -82,13 +85,6 @@ from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.pipeline import simulator
 from lingvo_lite.pipeline.schedule import Phase
 
-# Gradient temporaries while back-propagating through one layer (one micro-batch): at least
-# the gradient flowing in and the one going out (2 x its output), and for layers with large
-# internal activations (attention probabilities, a wide hidden layer) about half of what the
-# layer saved (fitted on the Transformer blocks of bench_lib, see the module docstring).
-GRADIENT_TEMPORARIES = 2.0
-SAVED_GRADIENT_FRACTION = 0.5
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerMemory:
@@ -98,8 +94,8 @@ class LayerMemory:
     trainable_bytes: int  # Those that get a gradient and optimizer slots.
     out_bytes: int  # Its output (the boundary when a cell ends here).
     saved_bytes: int  # Activations it keeps from its forward for its backward.
-    # Gradient temporaries while back-propagating through it; None: the default estimate,
-    # max(GRADIENT_TEMPORARIES x out_bytes, SAVED_GRADIENT_FRACTION x saved_bytes).
+    # Gradient temporaries while back-propagating through it; None: the default estimate
+    # (`base_layer.backward_temporary_bytes`).
     backward_temporary_bytes: int | None = None
     # What a deferred weight gradient holds from B to W (its weight ops' inputs and output
     # gradients).
@@ -109,8 +105,8 @@ class LayerMemory:
     def temporaries(self) -> int:
         if self.backward_temporary_bytes is not None:
             return self.backward_temporary_bytes
-        return int(max(GRADIENT_TEMPORARIES * self.out_bytes,
-                       SAVED_GRADIENT_FRACTION * self.saved_bytes))
+        return int(max(base_layer.DEFAULT_GRADIENT_TEMPORARY_FACTOR * self.out_bytes,
+                       base_layer.DEFAULT_SAVED_GRADIENT_FRACTION * self.saved_bytes))
 
 
 def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:

@@ -75,14 +75,17 @@ def _check_map(value: Any, keys: tuple[str, ...], where: str) -> NestedMap:
 def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params,
           children: list[NestedMap] | None = None, saved_extra: int = 0) -> NestedMap:
     """FPropMeta of a layer; with `children` (their metas), it keeps what they keep (plus
-    `saved_extra` bytes of its own) and defers what they defer."""
+    `saved_extra` bytes of its own) and defers what they defer, and its gradient temporaries
+    are its largest child's: it back-propagates through one child after another."""
     if children is None:
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
     return base_layer.fprop_meta(
         flops, out, num_params, p.fprop_dtype or p.dtype,
         saved_activation_bytes=saved_extra + sum(base_layer.saved_activation_bytes(m)
                                                  for m in children),
-        weight_op_bytes=base_layer.weight_op_bytes(children))
+        weight_op_bytes=base_layer.weight_op_bytes(children),
+        backward_temporary_bytes=max(base_layer.backward_temporary_bytes(m)
+                                     for m in children))
 
 
 def _shape3(shape: Any, dim: int, what: str, where: str) -> tf.TensorShape:
@@ -445,9 +448,14 @@ class SoftmaxLayer(base_layer.BaseLayer):
         saved = (base_layer.saved_activation_bytes(ln)
                  + base_layer.activation_bytes(x, p.fprop_dtype or p.dtype)
                  + (tokens * p.vocab_size + 2 * tokens) * tf.float32.size)
+        # Its forward's peak beyond that: the logits and the smoothed targets alive while the
+        # fused kernel writes its gradient (and the logits while the NLL metric's kernel
+        # writes one it drops).
+        temporaries = 2 * tokens * p.vocab_size * tf.float32.size
         return base_layer.fprop_meta(flops, out, ln.num_params + sm.num_params, tf.float32,
                                      saved_activation_bytes=saved,
-                                     weight_op_bytes=base_layer.weight_op_bytes([ln, sm]))
+                                     weight_op_bytes=base_layer.weight_op_bytes([ln, sm]),
+                                     backward_temporary_bytes=temporaries)
 
 
 def transformer_layers(vocab_size: int, model_dim: int, hidden_dim: int, num_heads: int,
