@@ -78,9 +78,12 @@ def _transformer_block_cls():
                 flops += metas[-1].flops
                 params += metas[-1].num_params
                 saved += base_layer.saved_activation_bytes(metas[-1])
-            return base_layer.fprop_meta(flops, shape, params, tf.float32,
-                                         saved_activation_bytes=saved,
-                                         weight_op_bytes=base_layer.weight_op_bytes(metas))
+            # It back-propagates through one child after another: the largest child's
+            # gradient temporaries.
+            return base_layer.fprop_meta(
+                flops, shape, params, tf.float32, saved_activation_bytes=saved,
+                weight_op_bytes=base_layer.weight_op_bytes(metas),
+                backward_temporary_bytes=max(map(base_layer.backward_temporary_bytes, metas)))
 
     return TransformerBlock
 

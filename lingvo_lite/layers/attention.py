@@ -231,6 +231,14 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         inputs += B * Tk * D if value != query and value != key else 0
         weight_ops = inputs + (B * Tq * H + 2 * B * Tk * H) + (B * Tq * H + B * Tq * D)
         size = tf.as_dtype(dtype).size
+        # Back-propagating through the softmax, the probabilities' gradient and its product
+        # with the probabilities are alive together (two float32 probability tensors); by then
+        # the backward has freed the context and V (and with dropout its mask and the dropped
+        # probabilities). At least the gradients flowing in and out (2 x the output).
+        freed = (B * Tq * H + B * Tk * H) * size
+        if p.atten_dropout_prob > 0.0:
+            freed += probs * (tf.bool.size + tf.float32.size)
+        temporaries = max(2 * probs * tf.float32.size - freed, 2 * B * Tq * D * size)
         return base_layer.fprop_meta(
             flops=flops,
             out_shapes=tf.TensorShape([B, Tq, D]),
@@ -238,4 +246,5 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             dtype=dtype,
             saved_activation_bytes=saved * size + probs * tf.float32.size + kept_masks,
             weight_op_bytes=weight_ops * size,
+            backward_temporary_bytes=temporaries,
         )

@@ -52,7 +52,8 @@ def chain_meta(layer_params: Sequence[hyperparams.Params], *input_shapes: Any,
 
 def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedMap:
     """The FPropMeta of a chain: flops, params and saved activations add up, shapes are the
-    last layer's."""
+    last layer's, and its gradient temporaries are its largest layer's (it back-propagates
+    through one layer after another)."""
     out_shapes = metas[-1].out_shapes if metas else input_shapes
     return base_layer.fprop_meta(
         flops=sum(m.flops for m in metas),
@@ -62,6 +63,8 @@ def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedM
         **base_layer.extra_param_counts(metas),
         saved_activation_bytes=sum(base_layer.saved_activation_bytes(m) for m in metas),
         weight_op_bytes=base_layer.weight_op_bytes(metas),
+        backward_temporary_bytes=max(map(base_layer.backward_temporary_bytes, metas),
+                                     default=None),
     )
 
 

@@ -85,7 +85,9 @@ class FieldLayer(base_layer.BaseLayer):
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
                                      saved_activation_bytes=base_layer.saved_activation_bytes(meta),
-                                     weight_op_bytes=meta.get("weight_op_bytes"))
+                                     weight_op_bytes=meta.get("weight_op_bytes"),
+                                     backward_temporary_bytes=base_layer.backward_temporary_bytes(
+                                         meta))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -156,4 +158,6 @@ class FieldsLayer(base_layer.BaseLayer):
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
                                      saved_activation_bytes=base_layer.saved_activation_bytes(meta),
-                                     weight_op_bytes=meta.get("weight_op_bytes"))
+                                     weight_op_bytes=meta.get("weight_op_bytes"),
+                                     backward_temporary_bytes=base_layer.backward_temporary_bytes(
+                                         meta))
