@@ -71,8 +71,9 @@ def chain_length(kind: str, num_micro_batches: int) -> int:
 def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     """Each cell's calls as traced functions of their own, to be timed on the cell's serial
     device at the micro-batch size of T: `{phase}_{k}` for every phase of PHASES and cell k,
-    and `update`. A `{phase}_{k}` step runs `chain_length(phase, T)` calls, each after the one
-    before, on micro-batches 0, 1, ...; its time / chain_length is the phase's cost.
+    `update` and `update_cell_{k}`. A `{phase}_{k}` step runs `chain_length(phase, T)` calls,
+    each after the one before, on micro-batches 0, 1, ...; its time / chain_length is the
+    phase's cost.
 
     Phases: `forward` (the cell's fprop call), `bprop` (the re-computing backward call: forward
     re-run, input and weight gradients added to sums), `input_only` (B of a split backward:
@@ -80,8 +81,9 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     `wgrad` (W: those weight gradients computed from B's records), `kept` (F and B of a
     micro-batch that keeps its activations, as the executor runs them: the forward under a
     tape, its gradient, the weight gradients added to sums) and `kept_input_only` (the same
-    as a split backward's B); `update`: momentum SGD on all the weights. The kept pair is
-    timed as one: alone, a forward under a tape whose gradient is never taken measured as fast
+    as a split backward's B); `update`: momentum SGD on all the weights, `update_cell_{k}` on
+    cell k's (each device updates its own weights once its gradients are final). The kept pair
+    is timed as one: alone, a forward under a tape whose gradient is never taken measured as fast
     as the plain forward. Boundary inputs come from the layers of the cells before, run
     eagerly.
 
@@ -197,16 +199,20 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
             for kind in PHASES:
                 calls[f"{kind}_{k}"] = make(kind, k, cell, prepared_inputs, dy, sums, seeds[k])
             xs = ys
-    variables = [v for v in pipe.vars.Flatten() if v.trainable]
-    slots = [tf.Variable(tf.zeros_like(v)) for v in variables]
+    def update_of(variables):
+        slots = [tf.Variable(tf.zeros_like(v)) for v in variables]
 
-    @tf.function(autograph=False)
-    def update(_):
-        bench_lib._apply(variables, slots, [tf.zeros_like(v) for v in variables],  # noqa: SLF001
-                         1e-3, 0.9)
-        return tf.constant(0.0)
+        @tf.function(autograph=False)
+        def update(_):
+            bench_lib._apply(variables, slots,  # noqa: SLF001
+                             [tf.zeros_like(v) for v in variables], 1e-3, 0.9)
+            return tf.constant(0.0)
+        return update
 
-    calls["update"] = update
+    calls["update"] = update_of([v for v in pipe.vars.Flatten() if v.trainable])
+    for k, theta in enumerate(thetas):
+        calls[f"update_cell_{k}"] = update_of([v for v in theta.Flatten()
+                                               if cell_functions.is_trainable(v)])
     return calls
 
 
@@ -249,6 +255,7 @@ def fig_speedup(args: argparse.Namespace) -> dict:
         m["phase_costs"] = {kind: [cost(f"{kind}_{c}") / chain_length(kind, m["T"])
                                    for c in range(cells)] for kind in PHASES}
         m["phase_costs"]["update"] = cost("update")
+        m["phase_costs"]["update_cells"] = [cost(f"update_cell_{c}") for c in range(cells)]
     # TensorFlow's single-threaded executor (serial devices) emits no per-op profiler events,
     # so the idle time is measured on the shared-pool variant of each configuration.
     for key, m in meta.items():
@@ -367,7 +374,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default="transformer")
-    parser.add_argument("--models", default="transformer,amoebanet")
+    parser.add_argument("--models", default="transformer,amoebanet,weight_heavy")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--micro_batches", default="2,4,8,16")
     parser.add_argument("--rounds", type=int, default=5)

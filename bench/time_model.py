@@ -50,9 +50,10 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     call; a whole backward B is the backward call, or where the micro-batch kept its
     activations, the kept pair (forward under a tape and its gradient) less the forward; a split
     backward's B is the same with the weight gradients deferred (its input-gradient call or
-    kept pair) and W the weight-gradient call on B's records. The optimizer's update follows
-    the last action. (Results recorded before the kept pair was timed predict a
-    kept B as the backward call less the forward.)"""
+    kept pair) and W the weight-gradient call on B's records. Each device updates its cells'
+    weights after its own last action (`update_cells`, timed per cell; results recorded before
+    that add the whole update after the last action). (Results recorded before the kept pair
+    was timed predict a kept B as the backward call less the forward.)"""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
     recomputed = remat_lib.recomputed_actions(sched, remat)
@@ -71,8 +72,12 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
         pair = costs.get("kept_input_only" if split else "kept", [call] * len(forward))[k]
         return max(0.0, pair - forward[k])
 
-    return simulator.simulate(sched, duration, remat=remat,
-                              update_time=costs["update"]).step_time
+    update = costs["update"]
+    if "update_cells" in costs:
+        update = [0.0] * sched.num_devices
+        for k, cost in enumerate(costs["update_cells"]):
+            update[sched.device_of_cell(k)] += cost
+    return simulator.simulate(sched, duration, remat=remat, update_time=update).step_time
 
 
 def render(serial: dict, partition_report: str

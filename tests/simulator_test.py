@@ -177,6 +177,23 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(2, prediction.step.schedule.num_devices)
         self.assertIn("K=4 on 2 devices", prediction.summary())
 
+    def test_each_device_updates_after_its_own_last_action(self):
+        # K=2, T=1, forward 1 and backward 2 per cell: F0 [0, 1], F1 [1, 2], B1 [2, 4],
+        # B0 [4, 6]. Device 1 updates from 4, device 0 from 6.
+        sched = schedule.make_schedule("gpipe", 2, 1)
+
+        def duration(a: Action) -> float:
+            return 1.0 if a.phase is Phase.FORWARD else 2.0
+
+        for update, step in (([3.0, 3.0], 9.0), ([1.0, 5.0], 9.0), ([0.5, 1.0], 6.5),
+                             (3.0, 9.0)):
+            with self.subTest(update=update):
+                sim = simulator.simulate(sched, duration, remat="never", update_time=update)
+                self.assertAlmostEqual(sim.step_time, step)
+                self.assertAlmostEqual(sim.update_time, step - 6.0)
+        with self.assertRaisesRegex(ValueError, "update_time has 3 per-device times"):
+            simulator.simulate(sched, duration, update_time=[1.0, 1.0, 1.0])
+
     def test_docstring_example(self):
         self.assertEqual(0, doctest.testmod(simulator).failed)
 

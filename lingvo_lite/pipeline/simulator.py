@@ -167,7 +167,8 @@ class SimulatedStep:
 
 def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action], float],
              remat: str = "except_last", transfer: float | None = None,
-             setup_time: float = 0.0, update_time: float = 0.0) -> SimulatedStep:
+             setup_time: float = 0.0,
+             update_time: float | Sequence[float] = 0.0) -> SimulatedStep:
     """Replays `sched` with the given durations.
 
     Args:
@@ -177,8 +178,11 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         the recompute share).
       remat: re-materialisation policy: which backwards re-run their forward.
       transfer: seconds per boundary crossing (default: `costs.transfer`, else 0).
-      setup_time, update_time: time before the first and after the last action (input
-        feeding, the optimizer's update), added to the step.
+      setup_time: time before the first action (input feeding), added to the step.
+      update_time: the optimizer's update: one time after the last action, or one per
+        device, each starting when that device's last action ends (a device updates its
+        own weights while others still run); the step ends with the last update. The
+        step's `update_time` is what the updates add after the last action.
     """
     recomputed = remat_lib.recomputed_actions(sched, remat)
     if isinstance(costs, PhaseCosts):
@@ -223,6 +227,13 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         end[a] = ready + duration(a)
         device_free[dev] = end[a]
         recompute_time[dev] += recompute_of(a)
+    if not isinstance(update_time, (int, float)):
+        per_device = list(update_time)
+        if len(per_device) != sched.num_devices:
+            raise ValueError(f"update_time has {len(per_device)} per-device times, the "
+                             f"schedule {sched.num_devices} devices.")
+        last = max(end.values(), default=setup_time)
+        update_time = max(0.0, max(f + u for f, u in zip(device_free, per_device)) - last)
     return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
                          recomputed=recomputed, recompute_time=tuple(recompute_time),
                          setup_time=setup_time, update_time=update_time)
