@@ -117,8 +117,14 @@ def backward_temporary_bytes(meta: NestedMap) -> int:
     declared = meta.get("backward_temporary_bytes")
     if declared is not None:
         return int(declared)
-    return int(max(DEFAULT_GRADIENT_TEMPORARY_FACTOR * meta.out_bytes,
-                   DEFAULT_SAVED_GRADIENT_FRACTION * saved_activation_bytes(meta)))
+    return default_backward_temporary_bytes(meta.out_bytes, saved_activation_bytes(meta))
+
+
+def default_backward_temporary_bytes(out_bytes: int, saved_bytes: int) -> int:
+    """The default estimate of `backward_temporary_bytes()` for a layer with these output and
+    saved-activation bytes."""
+    return int(max(DEFAULT_GRADIENT_TEMPORARY_FACTOR * out_bytes,
+                   DEFAULT_SAVED_GRADIENT_FRACTION * saved_bytes))
 
 
 def extra_param_counts(metas: Any) -> dict[str, int]:

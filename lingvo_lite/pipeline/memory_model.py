@@ -52,9 +52,11 @@ activation; AmoebaNet: a ReLU's output, a convolution's or batch norm's input, a
 input and output), checked against TensorFlow's gradient graphs in
 tests/transformer_saved_bytes_test.py and tests/amoebanet_saved_bytes_test.py. Gradient
 temporaries per layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their
-largest intermediate values, as they back-propagate op by op; the registered Transformer's
-layers: their largest sub-layer's, as they back-propagate one sub-layer after another; its
-softmax: the logits and the smoothed targets), else the default of
+largest intermediate values, as they back-propagate op by op; attention: two float32
+probability tensors, less what its backward has freed by then; composite layers (the
+registered Transformer's, `SequentialLayer`): their largest sub-layer's, as they back-propagate
+one sub-layer after another; the Transformer's softmax: the logits and the smoothed targets),
+else the default of
 `base_layer.backward_temporary_bytes`. Measured against per-device BFC peaks (one process per
 device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
 `tests/memory_model_test.py`.
@@ -105,8 +107,7 @@ class LayerMemory:
     def temporaries(self) -> int:
         if self.backward_temporary_bytes is not None:
             return self.backward_temporary_bytes
-        return int(max(base_layer.DEFAULT_GRADIENT_TEMPORARY_FACTOR * self.out_bytes,
-                       base_layer.DEFAULT_SAVED_GRADIENT_FRACTION * self.saved_bytes))
+        return base_layer.default_backward_temporary_bytes(self.out_bytes, self.saved_bytes)
 
 
 def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:
