@@ -116,6 +116,7 @@ def render(serial: dict, partition_report: str
     lines += ["", f"Worst error at T in {{{issue_ts}}} (issue 16's T): {worst_issue:.1%}; at "
               f"every T measured: {worst:.1%} (target: within {TOLERANCE:.0%}). GPipe only here; "
               "`bench/schedules.py` predicts every schedule from each cell's calls timed alone "
-              "(its table's last columns, once section 12 is re-recorded). K=4 cannot be "
-              "measured on serial devices here: 2 cores run at most 2 devices at once.", ""]
+              "(section 12's last columns, for the Transformer, AmoebaNet and the weight-heavy "
+              "model). K=4 cannot be measured on serial devices here: 2 cores run at most 2 "
+              "devices at once.", ""]
     return lines, (worst_issue, worst, worst_issue <= TOLERANCE)
