@@ -70,20 +70,15 @@ def _transformer_block_cls():
         def FPropMeta(cls, p, x_shape):
             shape = base_layer.to_shape(x_shape)
             flops, params = float(shape.num_elements()), 0
-            saved = 0  # The residual adds keep nothing: the children's tensors are all.
             metas = []
             for name, child in cls._children(p).items():
                 args = (shape,) * (3 if name == "atten" else 1)
                 metas.append(child.cls.FPropMeta(child, *args))
                 flops += metas[-1].flops
                 params += metas[-1].num_params
-                saved += base_layer.saved_activation_bytes(metas[-1])
-            # It back-propagates through one child after another: the largest child's
-            # gradient temporaries.
-            return base_layer.fprop_meta(
-                flops, shape, params, tf.float32, saved_activation_bytes=saved,
-                weight_op_bytes=base_layer.weight_op_bytes(metas),
-                backward_temporary_bytes=max(map(base_layer.backward_temporary_bytes, metas)))
+            # The residual adds keep nothing: the children's tensors are all.
+            return base_layer.fprop_meta(flops, shape, params, tf.float32,
+                                         **base_layer.composite_memory(metas))
 
     return TransformerBlock
 

@@ -200,6 +200,24 @@ def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
     return total
 
 
+def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[str, Any]:
+    """The memory arguments of `fprop_meta` for a layer that runs `metas`' layers one after
+    another: it keeps what they keep (plus `saved_extra` bytes of its own), defers what they
+    defer, and its gradient temporaries are its largest child's (it back-propagates through one
+    child after another).
+
+    >>> a = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
+    >>> b = fprop_meta(0, tf.TensorShape([8, 4]))  # Saves its output, 128 bytes.
+    >>> composite_memory([a, b])["saved_activation_bytes"], composite_memory([a, b])[
+    ...     "backward_temporary_bytes"]
+    (1152, 512)
+    """
+    return dict(
+        saved_activation_bytes=saved_extra + sum(saved_activation_bytes(m) for m in metas),
+        weight_op_bytes=weight_op_bytes(metas),
+        backward_temporary_bytes=max(map(backward_temporary_bytes, metas), default=None))
+
+
 class BaseLayer(tf.Module):
     """Base class of every layer. Subclasses define Params, FProp, FPropMeta, and either
     `declare_children` (children derived from the params) or __init__ (variables, or

@@ -61,10 +61,7 @@ def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedM
         num_params=sum(m.num_params for m in metas),
         dtype=dtype,
         **base_layer.extra_param_counts(metas),
-        saved_activation_bytes=sum(base_layer.saved_activation_bytes(m) for m in metas),
-        weight_op_bytes=base_layer.weight_op_bytes(metas),
-        backward_temporary_bytes=max(map(base_layer.backward_temporary_bytes, metas),
-                                     default=None),
+        **base_layer.composite_memory(metas),
     )
 
 

@@ -79,13 +79,8 @@ def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params,
     are its largest child's: it back-propagates through one child after another."""
     if children is None:
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
-    return base_layer.fprop_meta(
-        flops, out, num_params, p.fprop_dtype or p.dtype,
-        saved_activation_bytes=saved_extra + sum(base_layer.saved_activation_bytes(m)
-                                                 for m in children),
-        weight_op_bytes=base_layer.weight_op_bytes(children),
-        backward_temporary_bytes=max(base_layer.backward_temporary_bytes(m)
-                                     for m in children))
+    return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
+                                 **base_layer.composite_memory(children, saved_extra))
 
 
 def _shape3(shape: Any, dim: int, what: str, where: str) -> tf.TensorShape:
