@@ -170,8 +170,9 @@ def test_interleaved_device_walks_all_its_cells():
     mem = memory_model.device_memory(part, [LAYER] * 4, 800, interleaved, "never")
     assert [m.cells for m in mem] == [(0, 2), (1, 3)]
     first, second = mem
-    # Both cells' weights on one device; gradients 800 + min(800, 2 x 400) + (800 - 400).
-    assert (first.weights, first.gradients, first.inputs) == (800, 2000, 800)
+    # Both cells' weights on one device. At the peak (2B0, below) only cell 2's backward has
+    # started: its gradient 400 + temporaries min(400, 2 x 400) + (400 - 400).
+    assert (first.weights, first.gradients, first.inputs) == (800, 800, 800)
     # At 2B0 all four forwards are in flight: 2 x 800 (cell 0) + 2 x (400 + 800) (cell 2);
     # the backward adds its output gradient (400) and temporaries max(2 x 800, 800) / 2.
     assert first.peak_action == schedule.Action(schedule.Phase.BACKWARD, 2, 0)
@@ -180,6 +181,26 @@ def test_interleaved_device_walks_all_its_cells():
     # Device 1: four forwards of 400 + 800 each.
     assert (second.kept_activations, second.working_activations) == (4800, 1200)
     assert second.inputs == 0
+
+
+def test_interleaved_gradients_follow_each_cells_backwards():
+    # Weight-heavy one-layer cells (40,000 B of weights each), v = 2, T = 2. Device 0 runs
+    # 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1: no gradient during the forwards; from 2B0 cell 2's sum
+    # (40,000) and, while its backwards run, the temporaries min(40,000, 2 x 40,000); from 0B0
+    # both sums (80,000) and cell 0's temporaries (40,000). Cell 2's temporaries are gone by
+    # then, so the device never holds both cells' (measured on the weight-heavy benchmark
+    # model, BENCHMARKS.md 9d: device 0 at 113.6 MiB, the model 113.8; both cells' at once
+    # said 146.3).
+    heavy = dataclasses.replace(LAYER, param_bytes=40000, trainable_bytes=40000)
+    part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
+    interleaved = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)
+    first = memory_model.device_memory(part, [heavy] * 4, 800, interleaved, "never")[0]
+    assert first.peak_action == schedule.Action(schedule.Phase.BACKWARD, 0, 0)
+    assert first.gradients == 2 * 40000 + 40000
+    # Cell 2's activations are freed by then: cell 0's two kept micro-batches (2 x 800), the
+    # backward's output gradient (400) and temporaries max(2 x 800, 800) / 2.
+    assert (first.kept_activations, first.working_activations) == (1600, 400 + 800)
+    assert first.total == 80000 + 120000 + 80000 + 800 + 1600 + 1200
 
 
 def test_interleaved_batched_w_frees_each_cells_records_after_its_last_backward():

@@ -6,11 +6,15 @@ is the sum of the following, over the cells it holds (one; v with the interleave
 whose device walks the actions of all of them in its own order):
 
 * weights: every parameter of the cells' layers (trainable or not);
-* gradients: the gradient of each trainable weight, the temporaries of computing and applying
-  them (two of the largest layer's weights, at most the device's), and with T > 1 the running
-  sum of the micro-batches' weight gradients less the largest layer's (fitted on weight-heavy
-  dense layers at K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add
-  writes into a buffer it no longer needs);
+* gradients, followed through the device's order: a cell's weight gradients exist from its
+  first backward, and their sum stays until the step's update; while the cell's backwards (or
+  split backward's W) run, the temporaries of computing and applying them (two of the largest
+  layer's weights, at most the running cells'), and with T > 1 the next micro-batch's gradient
+  beside the running sum, less the largest layer's (fitted on weight-heavy dense layers at
+  K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add writes into a
+  buffer it no longer needs). A device of the interleaved schedule that finishes one cell's
+  backwards before it starts the next's never holds both cells' temporaries (measured:
+  weight-heavy, K = 2, v = 2, T = 2, device 0 runs `2B0 2B1 0B0 0B1`);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
@@ -150,7 +154,7 @@ class DeviceMemory:
     device: int
     cells: tuple[int, ...]  # The cells it holds (one, or v with the interleaved schedule).
     weights: int
-    gradients: int
+    gradients: int  # At the peak: the started cells' sums, the running cells' temporaries.
     optimizer_slots: int
     inputs: int  # The received mini-batch (the device of cell 0).
     kept_activations: int  # Of the micro-batches in flight at the peak.
@@ -260,10 +264,9 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         cells = sched.cells_of_device(d)
         held = [m for k in cells for m in layers[ranges[k][0]:ranges[k][1]]]
         trainable = sum(m.trainable_bytes for m in held)
-        largest_weights = max((m.trainable_bytes for m in held), default=0)
-        gradients = (trainable + min(trainable, 2 * largest_weights)
-                     + (trainable - largest_weights if num_micro > 1 else 0))
         order = sched.device_orders()[d]
+        gradients_at = _gradient_bytes(order, cells, [layers[a:b] for a, b in ranges],
+                                       num_micro, sched.splits_backward)
         last_backward = {action.cell: i for i, action in enumerate(order)
                          if action.phase is Phase.BACKWARD}
         landed = {k: (_landing_times(timeline, Phase.FORWARD, k - 1, num_micro),
@@ -273,12 +276,13 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         backwards = dict.fromkeys(cells, 0)
         kept = waiting = 0.0
         in_flight = peak_in_flight = 0
-        peak = (0.0, 0.0, None, 0.0, 0.0)  # (kept, working, action, early, waiting records)
+        # (kept, working, action, early, waiting records, gradients)
+        peak: tuple[float, float, Any, float, float, int] = (0.0, 0.0, None, 0.0, 0.0, 0)
         stash: dict[tuple[int, int], float] = {}
 
-        def consider(now: tuple[float, float, Any, float, float]) -> None:
+        def consider(now: tuple[float, float, Any, float, float, int]) -> None:
             nonlocal peak
-            if now[0] + now[1] + now[3] > peak[0] + peak[1] + peak[3]:
+            if sum(now[i] for i in (0, 1, 3, 5)) > sum(peak[i] for i in (0, 1, 3, 5)):
                 peak = now
 
         for i, action in enumerate(order):
@@ -303,33 +307,60 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                 kept += stash[(k, t)]
                 in_flight += 1
                 working = size.forward_work if backward in recomputed else 0.0
-                consider((kept, working, action, early, waiting))
+                consider((kept, working, action, early, waiting, gradients_at[i]))
             elif action.phase is Phase.BACKWARD:
                 # A kept micro-batch's activations are already in `kept`; its records stay
                 # until its W.
                 working = (size.call_work if action in recomputed
                            else size.backward_work - size.saved)
-                consider((kept, working, action, early, waiting))
+                consider((kept, working, action, early, waiting, gradients_at[i]))
                 kept += size.records - stash.pop((k, t))
                 waiting += size.records
                 in_flight -= 1
                 if batched and i == last_backward[k]:
                     # The cell's W: all T micro-batches' records, and their concatenation.
-                    consider((kept, size.records * num_micro, None, 0.0, waiting))
+                    consider((kept, size.records * num_micro, None, 0.0, waiting,
+                              gradients_at[i]))
                     kept -= size.records * num_micro
                     waiting -= size.records * num_micro
             else:
-                consider((kept, 0.0, action, early, waiting))
+                consider((kept, 0.0, action, early, waiting, gradients_at[i]))
                 kept -= size.records
                 waiting -= size.records
             peak_in_flight = max(peak_in_flight, in_flight)
         out.append(DeviceMemory(
             device=d, cells=tuple(cells), weights=sum(m.param_bytes for m in held),
-            gradients=gradients, optimizer_slots=num_slots * trainable,
+            gradients=peak[5], optimizer_slots=num_slots * trainable,
             inputs=int(input_bytes) if 0 in cells else 0,
             kept_activations=int(round(peak[0])), working_activations=int(round(peak[1])),
             peak_in_flight=peak_in_flight, peak_action=peak[2],
             received_early=int(round(peak[3])), waiting_records=int(round(peak[4]))))
+    return out
+
+
+def _gradient_bytes(order: Sequence[schedule_lib.Action], cells: Sequence[int],
+                    cell_layers: Sequence[Sequence[LayerMemory]], num_micro: int,
+                    splits_backward: bool) -> list[int]:
+    """The weight-gradient bytes a device holds during each action of its `order`."""
+    gradient_phase = Phase.WEIGHT if splits_backward else Phase.BACKWARD
+    first_backward: dict[int, int] = {}
+    last_gradient: dict[int, int] = {}
+    for i, action in enumerate(order):
+        if action.phase is Phase.BACKWARD:
+            first_backward.setdefault(action.cell, i)
+        if action.phase is gradient_phase:
+            last_gradient[action.cell] = i
+    trainable = {k: sum(m.trainable_bytes for m in cell_layers[k]) for k in cells}
+    largest = {k: max((m.trainable_bytes for m in cell_layers[k]), default=0) for k in cells}
+    out = []
+    for i in range(len(order)):
+        started = [k for k in cells if first_backward.get(k, len(order)) <= i]
+        running = [k for k in started if i <= last_gradient.get(k, -1)]
+        sums = sum(trainable[k] for k in started)
+        running_bytes = sum(trainable[k] for k in running)
+        running_largest = max((largest[k] for k in running), default=0)
+        out.append(sums + min(running_bytes, 2 * running_largest)
+                   + (running_bytes - running_largest if num_micro > 1 else 0))
     return out
 
 
