@@ -86,14 +86,12 @@ class OpNamesTest(tf.test.TestCase):
         sched = schedule.make_schedule("gpipe", 2, 2)  # F0 F1 B1 B0 on each cell.
         runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
         for k in range(2):
-            # Micro-batch 1 is kept: its forward and its gradient (the cell's first weight
-            # gradient, so the sum as it is) run inline, no function.
+            # Micro-batch 1 is kept: its forward and its gradient run inline, no function.
             self.assertEqual(runs[(k, "fprop")], [0])
-            self.assertNotIn((k, "accumulate"), runs)
             self.assertEqual(runs[(k, "bprop")], [0])  # Re-computed (adds to the sums).
-        kept = op_names.function_runs(sched, remat.remat_plan(sched, "never"))
-        for k in range(2):  # Inline B1, then inline B0, whose gradient is added to B1's.
-            self.assertEqual(kept, {(0, "accumulate"): [0], (1, "accumulate"): [0]})
+        # Inline B1, then inline B0, whose gradient is added to B1's at the call site: no
+        # function at all.
+        self.assertEqual(op_names.function_runs(sched, remat.remat_plan(sched, "never")), {})
         # On serial devices a kept forward is a call and its gradient TensorFlow's gradient
         # function of that call.
         calls = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"),
@@ -101,26 +99,25 @@ class OpNamesTest(tf.test.TestCase):
         for k in range(2):
             self.assertEqual(calls[(k, "fprop")], [0, 1])
             self.assertEqual(calls[(k, "fprop_gradient")], [1])
-            self.assertNotIn((k, "accumulate"), calls)
             self.assertEqual(calls[(k, "bprop")], [0])
 
     def test_function_runs_of_a_split_backward_by_hand(self):
         # K=2, T=2 zero-bubble: cell 0 F0 F1 B0 W0 B1 W1, cell 1 F0 B0 F1 B1 W0 W1. except_last
-        # keeps cell 1's micro-batches (each B right after its F: both inline), whose B adds
-        # the gradients of weights not applied through weight_ops (accumulate); cell 0's B
+        # keeps cell 1's micro-batches (each B right after its F: both inline, adding the
+        # gradients of weights not applied through weight_ops at the call site); cell 0's B
         # re-computes (bprop, which adds them itself). Every W computes the deferred weight
         # gradients from B's records (wgrad).
         sched = schedule.make_schedule("zero_bubble", 2, 2)
         runs = op_names.function_runs(sched, remat.remat_plan(sched, "except_last"))
         self.assertEqual(runs, {
             (0, "fprop"): [0, 1], (0, "bprop"): [0, 1], (0, "wgrad"): [0, 1],
-            (1, "accumulate"): [0, 1], (1, "wgrad"): [0, 1],
+            (1, "wgrad"): [0, 1],
         })
 
     def test_function_runs_with_batched_weight_gradients_by_hand(self):
         # K=2, T=2 GPipe (F0 F1 B1 B0 on each cell), remat except_last: micro-batch 1 is kept
         # (inline). Every backward is a split backward's B: the kept one adds the gradients of
-        # weights not applied through weight_ops (accumulate), micro-batch 0's is re-computed
+        # weights not applied through weight_ops at the call site, micro-batch 0's is re-computed
         # (bprop). After the last backward, one wgrad call takes the deferred weight gradients
         # of both micro-batches.
         sched = schedule.make_schedule("gpipe", 2, 2)
@@ -129,7 +126,7 @@ class OpNamesTest(tf.test.TestCase):
         all_mb = op_names.ALL_MICRO_BATCHES
         for k in range(2):
             self.assertEqual({family: t for (cell, family), t in runs.items() if cell == k}, {
-                "fprop": [0], "accumulate": [1], "bprop": [0], "wgrad": [all_mb]})
+                "fprop": [0], "bprop": [0], "wgrad": [all_mb]})
         # One micro-batch has nothing to batch: the executor runs the plain backward.
         single = schedule.make_schedule("gpipe", 2, 1)
         self.assertEqual(op_names.function_runs(single, remat.remat_plan(single, "never"),
@@ -164,7 +161,7 @@ class OpNamesTest(tf.test.TestCase):
             "gradient_tape/cell_1/bprop/recompute/layers/p0/MatMul": (1, "B", None, "bprop"),
             "gradient_tape/cell_2/fprop_mb_5/fprop/p0/MatMul/MatMul":
                 (2, "B", 5, "fprop_gradient"),
-            "cell_0/accumulate/add_3": (0, "B", None, "accumulate"),
+            "cell_0/bprop_mb_1/accumulate/add_3": (0, "B", 1, "accumulate"),
             "task/replica_1/cell_4/fprop/x": (4, "F", None, "fprop"),
         }
         for name, (cell, phase, t, family) in cases.items():

@@ -9,15 +9,16 @@ once per micro-batch. Two kinds of names come out of that:
 - ops inside a cell's functions carry the function but not the micro-batch (the body is shared
   by all T calls): `cell_{k}/fprop/...` (the forward), `cell_{k}/bprop/recompute/...` and
   `cell_{k}/bprop/...` (the re-computed forward and the backward of a re-materialised action),
-  `cell_{k}/accumulate/...` (the weight-gradient sums), `cell_{k}/wgrad/...` (the weight
-  gradient of a split backward, added to the sums in the same function);
+  `cell_{k}/wgrad/...` (the weight gradient of a split backward, added to the sums in the same
+  function);
 - with `weight_gradients='batched'`, one call per cell computes the weight gradient of all
   micro-batches at once after the cell's last backward: call site `cell_{k}/wgrad_all/...`,
   body `cell_{k}/wgrad/...`; its micro-batch is `ALL_MICRO_BATCHES`;
 - a micro-batch that keeps its activations runs its forward inline at its call site
   (`cell_{k}/fprop_mb_{t}/fprop/...`), and TensorFlow names the tape gradient of those ops
   `gradient_tape/cell_{k}/fprop_mb_{t}/...` (tape gradients traced inside a function:
-  `gradient_tape/<forward op>/...`).
+  `gradient_tape/<forward op>/...`); its weight gradients are added to the cell's sums at the
+  call site too, `cell_{k}/bprop_mb_{t}/accumulate/...`.
 
 With data-parallel replicas every name above is preceded by `replica_{r}/`. `parse` maps any of
 these to a `ParsedName`; a function-body op's micro-batch comes from the order in which its
@@ -44,14 +45,14 @@ FPROP, BPROP, ACCUMULATE = "fprop", "bprop", "accumulate"
 WGRAD = "wgrad"  # The weight gradient W(k, t) of a split backward, summed into the cell's.
 FPROP_GRADIENT = "fprop_gradient"  # The tape gradient of a kept (inline) forward.
 FAMILIES = (FPROP, BPROP, ACCUMULATE, FPROP_GRADIENT, WGRAD)
-_FUNCTIONS = (FPROP, BPROP, ACCUMULATE, WGRAD)
+_FUNCTIONS = (FPROP, BPROP, WGRAD)
 _CALL_KIND = {FORWARD: FPROP, BACKWARD: BPROP, WEIGHT: WGRAD}
 ALL_MICRO_BATCHES = -1  # The micro-batch of the one batched weight-gradient call per cell.
 BATCHED_WGRAD_SCOPE = f"{WGRAD}_all"
 
 _NAME = re.compile(
     r"^(?P<grad>gradient_tape/|gradients/)?(?:.*?/)?"
-    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|accumulate|wgrad)(?:_mb_(?P<t>\d+)|(?P<all>_all))?/"
+    r"cell_(?P<cell>\d+)/(?P<kind>fprop|bprop|wgrad)(?:_mb_(?P<t>\d+)|(?P<all>_all))?/"
     r"(?P<rest>.*)$")
 _REPLICA = re.compile(r"(?:^|/)replica_(?P<replica>\d+)/cell_\d+/")
 
@@ -99,7 +100,7 @@ def parse(name: str) -> ParsedName | None:
     replica_match = _REPLICA.search(name)
     replica = int(replica_match.group("replica")) if replica_match else 0
     kind, rest, grad = m.group("kind"), m.group("rest"), m.group("grad")
-    if kind == ACCUMULATE:
+    if kind == BPROP and rest.startswith(ACCUMULATE + "/"):
         return ParsedName(cell, BACKWARD, t, ACCUMULATE, replica)
     if kind == WGRAD:
         return ParsedName(cell, WEIGHT, t, WGRAD, replica)
@@ -130,14 +131,12 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
     The families each action calls. A kept micro-batch's forward and its gradient run inline
     (`kept_inline`, the executor's choice except on serial devices), so their ops carry the
     micro-batch and run no function; otherwise the forward is an fprop call and its gradient
-    TensorFlow's gradient function of that call (fprop_gradient):
+    TensorFlow's gradient function of that call (fprop_gradient). A kept backward adds its
+    weight gradients to the sums at the call site (accumulate ops carry the micro-batch):
       F(k, t): fprop, unless kept and inline.
-      B(k, t), whole backward: kept -> (fprop_gradient if not inline,) then accumulate
-        unless it is the cell's first weight gradient (which becomes the sums as it is);
-        else bprop.
-      B(k, t) of a split backward (the weight gradients of `weight_ops` deferred): kept ->
-        (fprop_gradient if not inline,) then accumulate (the other weights' gradients); else
-        bprop (the re-computation stays in B).
+      B(k, t), whole backward or a split backward's B (the weight gradients of `weight_ops`
+        deferred): kept -> fprop_gradient if not inline; else bprop (which re-computes and
+        adds to the sums).
       W(k, t): wgrad (one function computes the deferred weight gradients from B's records
         and adds them to the sums).
     With `batched_weight_grads` (and T > 1, a schedule that does not split the backward) every
@@ -146,11 +145,9 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
     """
     batched = (batched_weight_grads and not sched.splits_backward
                and sched.num_micro_batches > 1)
-    splits = sched.splits_backward or batched
     kept_gradient = [] if kept_inline else [FPROP_GRADIENT]
     runs: dict[tuple[int, str], list[int]] = {}
     for k in range(sched.num_cells):
-        has_sums = False  # A kept backward's gradients become the sums if there are none yet.
         for action in sched.cell_order(k):
             t = action.micro_batch
             if action.phase is Phase.FORWARD:
@@ -158,12 +155,9 @@ def function_runs(sched: Schedule, keep: frozenset[tuple[int, int]],
             elif action.phase is Phase.WEIGHT:
                 families = [WGRAD]
             elif (k, t) in keep:
-                families = kept_gradient + ([ACCUMULATE] if splits or has_sums else [])
+                families = kept_gradient
             else:
                 families = [BPROP]
-            if action.phase is not Phase.FORWARD and (
-                    action.phase is Phase.WEIGHT or not splits):
-                has_sums = True
             for family in families:
                 runs.setdefault((k, family), []).append(t)
         if batched:
