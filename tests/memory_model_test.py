@@ -188,9 +188,9 @@ def test_interleaved_gradients_follow_each_cells_backwards():
     # 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1: no gradient during the forwards; from 2B0 cell 2's sum
     # (40,000) and, while its backwards run, the temporaries min(40,000, 2 x 40,000); from 0B0
     # both sums (80,000) and cell 0's temporaries (40,000). Cell 2's temporaries are gone by
-    # then, so the device never holds both cells' (measured on the weight-heavy benchmark
-    # model, BENCHMARKS.md 9d: device 0 at 113.6 MiB, the model 113.8; both cells' at once
-    # said 146.3).
+    # then, so the device never holds both cells' (the weight-heavy benchmark model,
+    # BENCHMARKS.md 9d: device 0 measured 113.6 and 139.8 MiB in two runs, the model says
+    # 113.8; both cells' at once said 146.3).
     heavy = dataclasses.replace(LAYER, param_bytes=40000, trainable_bytes=40000)
     part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
     interleaved = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)

@@ -13,8 +13,8 @@ whose device walks the actions of all of them in its own order):
   beside the running sum, less the largest layer's (fitted on weight-heavy dense layers at
   K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add writes into a
   buffer it no longer needs). A device of the interleaved schedule that finishes one cell's
-  backwards before it starts the next's never holds both cells' temporaries (measured:
-  weight-heavy, K = 2, v = 2, T = 2, device 0 runs `2B0 2B1 0B0 0B1`);
+  backwards before it starts the next's never holds both cells' temporaries (weight-heavy,
+  K = 2, v = 2, T = 2: device 0 runs `2B0 2B1 0B0 0B1`, BENCHMARKS.md section 9d);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
