@@ -339,7 +339,7 @@ class Executor:
         state.last_ops[device] = [g for g in sums if g is not None]
 
     def _add(self, k: int, sums: list[Any], grads: list[Any]) -> list[Any]:
-        """sums + grads leaf by leaf (None: nothing yet) as one call; [] sums (the cell's first
+        """sums + grads leaf by leaf (None: nothing yet) at the call site; [] sums (the cell's first
         weight gradients, not deferred): the grads are the sums."""
         return self._cells[k].accumulate(sums, grads) if sums else grads
 
