@@ -106,6 +106,15 @@ class Cluster:
         for proc in self._procs:
             self._ask(proc, "reset")
 
+    def start_traces(self, logdir: str) -> None:
+        """Each worker records its allocations (TensorFlow's profiler) under logdir/<task>."""
+        for i, proc in enumerate(self._procs):
+            self._ask(proc, f"trace_start {os.path.join(logdir, str(i))}")
+
+    def stop_traces(self) -> None:
+        for proc in self._procs:
+            self._ask(proc, "trace_stop")
+
     def memory_info(self) -> list[dict[str, int]]:
         """Each worker's {'current': bytes, 'peak': bytes} since its last reset."""
         return [json.loads(self._ask(proc, "info")) for proc in self._procs]
@@ -260,6 +269,12 @@ def _serve(addresses: list[str], index: int, inter: int) -> None:
             print("ok", flush=True)
         elif command == "info":
             print(json.dumps(tf.config.experimental.get_memory_info("CPU:0")), flush=True)
+        elif command.startswith("trace_start "):
+            tf.profiler.experimental.start(command.split(" ", 1)[1])
+            print("ok", flush=True)
+        elif command == "trace_stop":
+            tf.profiler.experimental.stop()
+            print("ok", flush=True)
     # stdin closed: the client is gone. gRPC's threads would keep the process alive.
     del server
     os._exit(0)

@@ -137,7 +137,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                training_only_params: int = 0,
                saved_activation_bytes: int | None = None,
                weight_op_bytes: int | None = None,
-               backward_temporary_bytes: int | None = None) -> NestedMap:
+               backward_temporary_bytes: int | None = None,
+               inline_backward_temporary_bytes: int | None = None) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -161,6 +162,10 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
       backward_temporary_bytes: bytes of gradient temporaries while back-propagating through
         the layer, beyond what it saved (whole mini-batch); None: the default estimate
         (`backward_temporary_bytes()`).
+      inline_backward_temporary_bytes: the most its backward holds beyond its saved
+        activations when each is freed as soon as the backward has passed its last reader
+        (an inline backward, or a re-computing one that does not defer weight gradients);
+        None: `backward_temporary_bytes`, as if all stayed until the end.
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -178,6 +183,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         meta.weight_op_bytes = int(weight_op_bytes)
     if backward_temporary_bytes is not None:
         meta.backward_temporary_bytes = int(backward_temporary_bytes)
+    if inline_backward_temporary_bytes is not None:
+        meta.inline_backward_temporary_bytes = int(inline_backward_temporary_bytes)
     return meta
 
 

@@ -211,6 +211,19 @@ class AmoebaNetLayersTest(tf.test.TestCase):
                     want = np_bn_train(np.concatenate([p1, p2], -1), v.final_path_bn)
                 self.assertAllClose(got.numpy(), want, atol=1e-4)
 
+    def test_factorized_reduction_gradient_temporaries_by_hand(self):
+        # x [2, 8, 8, 4] float32: 2,048 B; ReLU output r the same; the strided slices p1, p2
+        # 512 B each, the 1x1 convs' outputs 256 B each, their concat cc (BN's input) 512 B.
+        # Backward in reverse: BN (2 x 512 default), concat, conv2, slice 2 (its gradient is
+        # r-sized), the shift, conv1, slice 1; r is read by slice 1 and the shift, so its two
+        # 2,048 B gradients and their sum are held at once: 3 x 2,048 = 6,144 B. Freeing the
+        # saved activations as it goes, it has released cc, p2 and p1 by then: 6,144 - 1,536.
+        p = an.FactorizedReductionLayer.Params().Set(name="fr", input_dim=4, output_dim=4,
+                                                     stride=2, pre_relu=True)
+        meta = p.cls.FPropMeta(p, tf.TensorShape([2, 8, 8, 4]))
+        self.assertEqual(meta.backward_temporary_bytes, 6144)
+        self.assertEqual(meta.inline_backward_temporary_bytes, 6144 - 1536)
+
     # ---- cells -----------------------------------------------------------------------------------
 
     def test_cells_meta_matches_fprop(self):

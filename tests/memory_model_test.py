@@ -91,19 +91,29 @@ def test_except_last_keeps_the_micro_batch_that_is_not_recomputed():
 
 
 def test_declared_temporaries_and_the_recomputing_call():
-    # Layer 2 declares 4,000 B of gradient temporaries, layer 3 160 B (AmoebaNet cells declare
-    # two of their largest intermediate values), instead of max(2 x output, saved / 2).
-    layers = [LAYER, LAYER, dataclasses.replace(LAYER, backward_temporary_bytes=4000),
+    # Layer 2 declares 4,000 B of gradient temporaries with all its saved activations held,
+    # 2,000 B beyond them when it frees them as it goes; layer 3 160 B for both (AmoebaNet
+    # layers declare both from their wiring), instead of max(2 x output, saved / 2).
+    layers = [LAYER, LAYER,
+              dataclasses.replace(LAYER, backward_temporary_bytes=4000,
+                                  inline_temporary_bytes=2000),
               dataclasses.replace(LAYER, backward_temporary_bytes=160)]
     gpipe = schedule.make_schedule("gpipe", 2, 4)
     # Kept (never): the inline backward frees layer by layer, so at layer 2 only its own saved
-    # activations (1600 / 4) are left beside its temporaries (4000 / 4): max(800 + 40,
-    # 400 + 1000) = 1400 over the 800 kept, plus the received output gradient (200).
+    # activations (1600 / 4) are left beside its temporaries (2000 / 4): max(800 + 40,
+    # 400 + 500) = 900 over the 800 kept, plus the received output gradient (200).
     kept = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "never")[1]
-    assert kept.working_activations == 1400 - 800 + 200
-    # Re-computing (always): one call holds all it re-computed (800) until it returns, plus the
-    # largest temporaries (1000) and the received output gradient (200).
+    assert kept.working_activations == 900 - 800 + 200
+    # Re-computing (always): the call frees as it goes too, 900 + 200 (over the four kept
+    # inputs).
     call = memory_model.device_memory(_two_cells(), layers, 800, gpipe, "always")[1]
+    assert (call.kept_activations, call.working_activations) == (4 * 200, 900 + 200)
+    # Re-computing and deferring weight gradients (zero-bubble): the call returns its records,
+    # so all it re-computed (800) stays beside the largest held temporaries (4000 / 4) and the
+    # output gradient (200).
+    deferring = [dataclasses.replace(m, deferred_bytes=1200) for m in layers]
+    zero_bubble = schedule.make_schedule("zero_bubble", 2, 4)
+    call = memory_model.device_memory(_two_cells(), deferring, 800, zero_bubble, "always")[1]
     assert call.working_activations == 800 + 1000 + 200
 
 

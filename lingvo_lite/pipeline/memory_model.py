@@ -28,9 +28,11 @@ whose device walks the actions of all of them in its own order):
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
   back-propagating through layer j the activations of layers up to j plus j's gradient
-  temporaries). A recomputing backward is one function call, which holds every activation it
-  re-computed until it returns, so its working set is all of them plus the largest layer's
-  temporaries; the inline backward of a kept micro-batch frees them layer by layer. Received
+  temporaries, less what j's own backward has freed: `LayerMemory.inline_temporaries`). Both
+  the inline backward of a kept micro-batch and a re-computing backward call free the
+  activations as they pass them; a re-computing call that defers weight gradients returns
+  its records (the weight ops' inputs), so it holds all it re-computed plus the largest
+  layer's temporaries (`LayerMemory.temporaries`) until it returns. Received
   boundary copies are the kept inputs of cells k > 0 and the received output gradient of the
   running backward;
 * received early (given the schedule's simulated `timeline`): inputs and output gradients that
@@ -43,8 +45,8 @@ whose device walks the actions of all of them in its own order):
   output gradient (`LayerMemory.deferred_bytes`: the layer's declared `weight_op_bytes`, else
   its saved activations and output for a layer with trainable weights, an upper estimate).
   While a kept micro-batch's inline backward runs, the records of the layers it has passed pile
-  up beside the activations not yet freed; a re-computing backward's call holds them among
-  what it re-computed. The batched W concatenates all T micro-batches' records, one more copy
+  up beside the activations not yet freed; a re-computing call holds them among what it
+  re-computed. The batched W concatenates all T micro-batches' records, one more copy
   while it runs.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
@@ -55,8 +57,10 @@ input, Q, K, V, the float32 probabilities and the context; feed-forward: its inp
 activation; AmoebaNet: a ReLU's output, a convolution's or batch norm's input, a max pool's
 input and output), checked against TensorFlow's gradient graphs in
 tests/transformer_saved_bytes_test.py and tests/amoebanet_saved_bytes_test.py. Gradient
-temporaries per layer are the layer's `backward_temporary_bytes` (AmoebaNet cells: two of their
-largest intermediate values, as they back-propagate op by op; attention: two float32
+temporaries per layer are the layer's `backward_temporary_bytes` and
+`inline_backward_temporary_bytes` (AmoebaNet layers: walked op by op over the cell's wiring,
+a value read by several ops holding all their gradients until summed, `_wiring.ShapeWiring.
+backward_temporaries`; attention: two float32
 probability tensors, less what its backward has freed by then; composite layers (the
 registered Transformer's, `SequentialLayer`): their largest sub-layer's, as they back-propagate
 one sub-layer after another; the Transformer's softmax: the logits and the smoothed targets),
@@ -106,12 +110,21 @@ class LayerMemory:
     # What a deferred weight gradient holds from B to W (its weight ops' inputs and output
     # gradients).
     deferred_bytes: int = 0
+    # Its backward's most beyond its saved activations when it frees each as soon as its last
+    # reader is back-propagated (an inline backward); None: `temporaries`.
+    inline_temporary_bytes: int | None = None
 
     @property
     def temporaries(self) -> int:
         if self.backward_temporary_bytes is not None:
             return self.backward_temporary_bytes
         return base_layer.default_backward_temporary_bytes(self.out_bytes, self.saved_bytes)
+
+    @property
+    def inline_temporaries(self) -> int:
+        if self.inline_temporary_bytes is not None:
+            return self.inline_temporary_bytes
+        return self.temporaries
 
 
 def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:
@@ -128,7 +141,8 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
                                out_bytes=int(m.out_bytes),
                                saved_bytes=saved,
                                backward_temporary_bytes=m.get("backward_temporary_bytes"),
-                               deferred_bytes=int(deferred)))
+                               deferred_bytes=int(deferred),
+                               inline_temporary_bytes=m.get("inline_backward_temporary_bytes")))
     return out
 
 
@@ -186,7 +200,7 @@ class _CellActivations:
     kept_input: float  # The input copy held from its forward to its backward.
     forward_work: float  # A forward that keeps nothing: about one layer's activations.
     backward_work: float  # A kept micro-batch's inline backward, at its worst layer.
-    call_work: float  # A re-computing backward call: all it re-computed, until it returns.
+    call_work: float  # A re-computing backward call (see `_cell_activations`).
     records: float  # Deferred weight-gradient records (0 when nothing is deferred).
 
 
@@ -196,12 +210,12 @@ def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: in
     boundary_out = cell[-1].out_bytes / num_micro if cell else 0.0
     saved = sum(m.saved_bytes for m in cell) / num_micro
     # Back-propagating through layer j: the saved activations of layers up to j, plus j's
-    # gradient temporaries, plus (deferring) the records of the layers after j, which stay;
-    # the worst j is the cell's backward working set.
+    # gradient temporaries as it frees its own, plus (deferring) the records of the layers
+    # after j, which stay; the worst j is the cell's backward working set.
     backward_work = 0.0
     below, after = saved, 0.0
     for m in reversed(cell):
-        backward_work = max(backward_work, below + m.temporaries / num_micro + after)
+        backward_work = max(backward_work, below + m.inline_temporaries / num_micro + after)
         below -= m.saved_bytes / num_micro
         after += m.deferred_bytes / num_micro if defer else 0.0
     largest_temporaries = max((m.temporaries for m in cell), default=0) / num_micro
@@ -213,10 +227,11 @@ def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: in
         kept_input=0.0 if k == 0 else boundary_in,
         forward_work=max((m.saved_bytes for m in cell), default=0) / num_micro,
         backward_work=backward_work + boundary_out,
-        # Deferring, a re-computing call's records are among what it holds (measured on the
-        # Transformer: zero-bubble's re-computing devices at T >= 4 peak within 4 MiB of
-        # 1F1B's; AmoebaNet's K=4 device 1 holds about 12 MiB more, BENCHMARKS.md 9c).
-        call_work=saved + largest_temporaries + boundary_out,
+        # A re-computing call frees what it re-computed as its backward passes (profiled:
+        # AmoebaNet K=4, T=4, device 1 held one of its cell's re-computed ReLU outputs at
+        # its peak, at the call's end); deferring, it returns its records (the weight ops'
+        # inputs, most of what it saved), so it holds all with every temporary.
+        call_work=(saved + largest_temporaries if defer else backward_work) + boundary_out,
         records=sum(m.deferred_bytes for m in cell) / num_micro if defer else 0.0)
 
 

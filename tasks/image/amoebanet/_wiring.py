@@ -9,6 +9,7 @@ and the cost is accumulated). So the two cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
@@ -54,12 +55,24 @@ class TensorWiring:
         return tf.pad(x, [[0, 0], [0, 1], [0, 1], [0, 0]])[:, 1:, 1:, :]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One step of a structure, as its backward sees it (values by id)."""
+
+    reads: tuple[int, ...]  # The values it reads.
+    output: int  # The value it makes.
+    kept: tuple[int, ...]  # The values its gradient reads (saved by the forward).
+    inside: int  # Bytes a child keeps of its own intermediate values.
+    temporaries: int  # Its gradient's temporaries, with the gradients of what it reads.
+
+
 class ShapeWiring:
     """Runs a structure on shapes, costing the children declared by `declare_children(p)`.
 
     Elementwise ops (ReLU, add) cost one flop per element. Every value is a shape object of
     its own, so the wiring can tell which tensors the backward reads (`saved_bytes`): what
-    TensorFlow's gradients of the ops need, each tensor once (`backward_needs`).
+    TensorFlow's gradients of the ops need, each tensor once (`backward_needs`); and it walks
+    the backward op by op to size the gradient temporaries (`backward_temporaries`).
     """
 
     def __init__(self, layer_cls: type[base_layer.BaseLayer], p: Params) -> None:
@@ -71,6 +84,8 @@ class ShapeWiring:
         self._values: list[tf.TensorShape] = []  # Holds every value, so ids stay unique.
         self._kept: dict[int, int] = {}  # id of a value the backward reads -> its bytes.
         self._kept_inside = 0  # Bytes the children keep of their own intermediate values.
+        self._ops: list[_Op] = []
+        self._bytes: dict[int, int] = {}  # id of every value read or made -> its bytes.
 
     def _value(self, shape: tf.TensorShape) -> tf.TensorShape:
         value = tf.TensorShape(shape)
@@ -78,7 +93,21 @@ class ShapeWiring:
         return value
 
     def _keep(self, value: tf.TensorShape) -> None:
-        self._kept[id(value)] = base_layer.activation_bytes(value, self._dtype)
+        self._kept[id(value)] = self._size(value)
+
+    def _size(self, value: tf.TensorShape) -> int:
+        self._bytes[id(value)] = base_layer.activation_bytes(value, self._dtype)
+        return self._bytes[id(value)]
+
+    def _op(self, reads: list[tf.TensorShape], output: tf.TensorShape,
+            kept: list[tf.TensorShape] = (), inside: int = 0,
+            temporaries: int | None = None) -> None:
+        """Records a step; `temporaries` None: the gradients of what it reads."""
+        read_bytes = sum(self._size(v) for v in reads)
+        self._size(output)
+        self._ops.append(_Op(tuple(id(v) for v in reads), id(output), tuple(id(v) for v in kept),
+                             inside, read_bytes if temporaries is None
+                             else max(temporaries, read_bytes)))
 
     def has(self, name: str) -> bool:
         return name in self._children
@@ -89,32 +118,39 @@ class ShapeWiring:
         self.metas.append(meta)
         y = self._value(meta.out_shapes[0])
         needs_input, needs_output, inside = backward_needs(child, x, meta)
-        if needs_input:
-            self._keep(x)
-        if needs_output:
-            self._keep(y)
+        kept = [x] * needs_input + [y] * needs_output
+        for value in kept:
+            self._keep(value)
         self._kept_inside += inside
+        self._op([x], y, kept, inside, base_layer.backward_temporary_bytes(meta))
         return y
 
     def relu(self, x: tf.TensorShape) -> tf.TensorShape:
         self.elementwise_flops += num_elements(x)
         y = self._value(x)
         self._keep(y)  # ReluGrad reads the output.
+        self._op([x], y, [y])
         return y
 
     def add(self, a: tf.TensorShape, b: tf.TensorShape) -> tf.TensorShape:
         if a != b:
             raise ValueError(f"{self._where}: adds shapes {a} and {b}.")
         self.elementwise_flops += num_elements(a)
-        return self._value(a)
+        y = self._value(a)
+        self._op([a, b], y)
+        return y
 
     def concat(self, xs: list[tf.TensorShape]) -> tf.TensorShape:
         if len(xs) == 1:
             return xs[0]
-        return self._value(xs[0][:-1].concatenate([sum(x[-1] for x in xs)]))
+        y = self._value(xs[0][:-1].concatenate([sum(x[-1] for x in xs)]))
+        self._op(xs, y)
+        return y
 
     def shift(self, x: tf.TensorShape) -> tf.TensorShape:
-        return self._value(x)  # A pad and a slice: free, and their gradients read nothing.
+        y = self._value(x)  # A pad and a slice: free, and their gradients read nothing.
+        self._op([x], y)
+        return y
 
     @property
     def flops(self) -> float:
@@ -135,20 +171,63 @@ class ShapeWiring:
         children keep inside themselves."""
         return sum(self._kept.values()) + self._kept_inside
 
-    def largest_value_bytes(self, *ends: tf.TensorShape) -> int:
-        """Bytes of the largest value made inside the layer (not one of `ends`)."""
-        skip = {id(v) for v in ends}
-        return max((base_layer.activation_bytes(v, self._dtype) for v in self._values
-                    if id(v) not in skip), default=0)
+    def backward_temporaries(self, output: tf.TensorShape) -> tuple[int, int]:
+        """The structure's gradient temporaries, beyond its output's gradient:
+        (all saved activations held meanwhile, saved activations freed as the backward
+        passes their last reader), the most at any step of an op-by-op backward.
+
+        The backward visits the ops in reverse. A value read by c > 1 ops gets a gradient
+        from each reader's backward, summed once the last has come (c + 1 of its size at
+        that moment, then one); an op's own backward holds its temporaries (a child's
+        declared `backward_temporary_bytes`, else the gradients of what it reads), beside
+        every gradient not yet consumed. The first figure sizes a backward that keeps its
+        activations to the end (a re-computing call that defers weight gradients returns the
+        weight ops' inputs); the second, in excess of the saved activations, a backward that
+        frees them as it goes (`memory_model`, layer by layer). The registered AmoebaNet's
+        normal cell after a reduction holds three gradients the size of its 2x-larger prev_x
+        at once, in its factorized reduction (two strided slices read the ReLU's output).
+        """
+        readers: dict[int, int] = {}
+        first_keeper: dict[int, int] = {}
+        for i, op in enumerate(self._ops):
+            for value in op.reads:
+                readers[value] = readers.get(value, 0) + 1
+            for value in op.kept:
+                first_keeper.setdefault(value, i)
+        freed_at: dict[int, int] = {}  # Op index -> saved bytes its backward frees.
+        for value, i in first_keeper.items():
+            freed_at[i] = freed_at.get(i, 0) + self._bytes[value]
+        received: dict[int, int] = {}  # Value id -> gradients received.
+        live = held = freed = released = 0  # live: gradients held, bytes.
+        for i in reversed(range(len(self._ops))):
+            op = self._ops[i]
+            if op.output != id(output) and op.output not in received:
+                continue  # No gradient reaches it.
+            now = live + op.temporaries
+            held, freed = max(held, now), max(freed, now - released)
+            if op.output != id(output):
+                live -= self._bytes[op.output]
+            for value in op.reads:
+                received[value] = received.get(value, 0) + 1
+                live += self._bytes[value]
+                if readers[value] > 1 and received[value] == readers[value]:
+                    now = live + self._bytes[value]  # Summed: the gradients and their sum.
+                    held, freed = max(held, now), max(freed, now - released)
+                    live -= (readers[value] - 1) * self._bytes[value]
+            released += freed_at.get(i, 0) + op.inside
+        return held, freed
 
     def fprop_meta(self, inputs: tf.TensorShape, output: tf.TensorShape) -> NestedMap:
         """The layer's FPropMeta, with what its backward keeps split into its input, its
         output and the values inside it (read by a parent's `backward_needs`)."""
         ends = {id(v): self._kept.get(id(v), 0) for v in (inputs, output)}
+        held, freeing = self.backward_temporaries(output)
         meta = base_layer.fprop_meta(self.flops, output, self.num_params, self._dtype,
                                      **self.extra_param_counts(),
                                      saved_activation_bytes=self.saved_bytes,
-                                     weight_op_bytes=self.weight_op_bytes)
+                                     weight_op_bytes=self.weight_op_bytes,
+                                     backward_temporary_bytes=held,
+                                     inline_backward_temporary_bytes=freeing)
         meta.update(kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
                     kept_inside_bytes=self.saved_bytes - sum(ends.values()))
         return meta

@@ -278,10 +278,10 @@ class AmoebaNetCell(base_layer.BaseLayer):
         out.x = cls._wire(p, wiring, x, prev)
         out.prev_x = x
         # What its ops' gradients read; x and prev_x when an op reads them (a max pool).
-        meta = base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
+        held, freeing = wiring.backward_temporaries(out.x)
+        return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
                                      saved_activation_bytes=wiring.saved_bytes,
-                                     weight_op_bytes=wiring.weight_op_bytes)
-        # Back-propagating op by op: the gradients of one op's output and input at a time.
-        meta.backward_temporary_bytes = 2 * wiring.largest_value_bytes(out.x)
-        return meta
+                                     weight_op_bytes=wiring.weight_op_bytes,
+                                     backward_temporary_bytes=held,
+                                     inline_backward_temporary_bytes=freeing)

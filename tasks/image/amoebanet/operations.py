@@ -62,8 +62,11 @@ class SubsampleLayer(base_layer.BaseLayer):
                              f"shape, got {shape}.")
         b, h, w, c = shape.as_list()
         s = p.stride
+        # The gradient of a strided slice is the input's size.
         meta = base_layer.fprop_meta(0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0,
-                                     dtype_of(p), saved_activation_bytes=0)
+                                     dtype_of(p), saved_activation_bytes=0,
+                                     backward_temporary_bytes=base_layer.activation_bytes(
+                                         shape, dtype_of(p)))
         meta.update(kept_input=False, kept_output=False, kept_inside_bytes=0)  # A slice.
         return meta
 
