@@ -122,10 +122,12 @@ class Cluster:
 
 def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                  num_micro_batches: int, schedule: str, remat: str, num_replicas: int = 1,
-                 optimizer=None, virtual_stages: int = 1) -> list[int]:
+                 optimizer=None, virtual_stages: int = 1,
+                 trace_dir: str | None = None) -> list[int]:
     """Peak bytes of each of the R x K / v devices in one training step (module docstring; v:
     cells per device, interleaved); `optimizer` (lingvo_lite.optimizers params) defaults to SGD
-    with momentum 0.9."""
+    with momentum 0.9. With `trace_dir`, one more step runs with every worker recording its
+    allocations under trace_dir/<device> (`memory_at_peak.py` reads them)."""
     import bench_lib
 
     def build(placement):
@@ -135,10 +137,11 @@ def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                                        virtual_stages=virtual_stages)
 
     return _measure(cluster, build, make_batch(), num_cells // virtual_stages * num_replicas,
-                    optimizer)
+                    optimizer, trace_dir)
 
 
-def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None) -> list[int]:
+def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None,
+             trace_dir: str | None = None) -> list[int]:
     """Builds the pipeline on the cluster's first devices; each device's median peak over
     MEASURED_STEPS steps after a warm-up step.
 
@@ -195,6 +198,11 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None) -
         float(sync())
         per_step.append([m["peak"] - b for m, b in zip(cluster.memory_info(), before)])
     peaks = [int(statistics.median(device)) for device in zip(*per_step)]
+    if trace_dir is not None:
+        cluster.start_traces(trace_dir)
+        float(fn(batch))
+        float(sync())
+        cluster.stop_traces()
     return peaks[:num_devices]  # The pipeline is freed with this frame (next call: gc).
 
 
