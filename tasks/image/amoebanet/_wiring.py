@@ -10,6 +10,7 @@ and the cost is accumulated). So the two cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -100,7 +101,7 @@ class ShapeWiring:
         return self._bytes[id(value)]
 
     def _op(self, reads: list[tf.TensorShape], output: tf.TensorShape,
-            kept: list[tf.TensorShape] = (), inside: int = 0,
+            kept: Sequence[tf.TensorShape] = (), inside: int = 0,
             temporaries: int | None = None) -> None:
         """Records a step; `temporaries` None: the gradients of what it reads."""
         read_bytes = sum(self._size(v) for v in reads)
