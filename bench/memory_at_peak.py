@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
 import os
 import sys
 import tempfile
@@ -92,10 +91,14 @@ def allocation_events(spaces: Iterable) -> list[tuple[int, bool, dict]]:
 
 
 def peak_of(events: Sequence[tuple[int, bool, dict]]) -> Peak:
-    """The live buffers when the allocator's `bytes_allocated` was highest."""
+    """The live buffers when the allocator's `bytes_allocated` was highest (the first such
+    event), replayed up to that event."""
+    in_use = [int(stats.get("bytes_allocated") or 0) for _, _, stats in events]
+    if not in_use:
+        return Peak(0, ())
+    highest = max(range(len(in_use)), key=in_use.__getitem__)
     live: dict[int, Buffer] = {}
-    best = Peak(0, ())
-    for _, is_allocation, stats in events:
+    for _, is_allocation, stats in events[:highest + 1]:
         address = stats.get("addr")
         if is_allocation:
             requested = int(stats.get("requested_bytes") or 0)
@@ -104,10 +107,7 @@ def peak_of(events: Sequence[tuple[int, bool, dict]]) -> Peak:
                                    int(stats.get("allocation_bytes") or requested))
         else:
             live.pop(address, None)
-        allocated = int(stats.get("bytes_allocated") or 0)
-        if allocated > best.allocated:
-            best = Peak(allocated, tuple(live.values()))
-    return best
+    return Peak(in_use[highest], tuple(live.values()))
 
 
 def op_scope(op: str, depth: int = 3) -> str:
@@ -152,7 +152,7 @@ def main() -> None:
     import device_memory
     import memory_model_check
 
-    from lingvo_lite.pipeline import tf_private
+    from lingvo_lite.pipeline import trace_analysis
 
     layers, shapes, make_batch = bench_lib.model(args.model, args.quick)
     num_devices = args.num_cells // v
@@ -161,17 +161,8 @@ def main() -> None:
             measured = device_memory.measure_step(
                 cluster, layers, shapes, make_batch, args.num_cells, args.micro_batches,
                 args.schedule, args.remat, virtual_stages=v, trace_dir=logdir)
-        xplane_pb2 = tf_private.xplane_pb2()
-        peaks = []
-        for d in range(num_devices):
-            spaces = []
-            for path in glob.glob(os.path.join(logdir, str(d), "**", "*.xplane.pb"),
-                                  recursive=True):
-                space = xplane_pb2.XSpace()
-                with open(path, "rb") as f:
-                    space.ParseFromString(f.read())
-                spaces.append(space)
-            peaks.append(peak_of(allocation_events(spaces)))
+        peaks = [peak_of(allocation_events(trace_analysis.load_xspaces(
+            os.path.join(logdir, str(d))))) for d in range(num_devices)]
     model = memory_model_check.predicted(layers, shapes, args.num_cells, args.micro_batches,
                                          args.schedule, args.remat, virtual_stages=v)
     for d, peak in enumerate(peaks):
