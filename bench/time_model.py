@@ -44,7 +44,8 @@ def predicted_step(work: float, shares: list[float], num_micro_batches: int,
 
 
 def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batches: int,
-                               virtual_stages: int, remat: str) -> float:
+                               virtual_stages: int, remat: str,
+                               processors: int | None = None) -> float:
     """A schedule's step simulated from each cell's calls timed alone (see
     `schedules._phase_costs`), what this implementation runs per action: F is the forward
     call; a whole backward B is the backward call, or where the micro-batch kept its
@@ -53,7 +54,9 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     kept pair) and W the weight-gradient call on B's records. Each device updates its cells'
     weights after its own last action (`update_cells`, timed per cell; results recorded before
     that add the whole update after the last action). (Results recorded before the kept pair
-    was timed predict a kept B as the backward call less the forward.)"""
+    was timed predict a kept B as the backward call less the forward.) `processors`: the
+    host's cores when the K serial devices outnumber them (they then time-share the cores,
+    `simulator.simulate`'s `processors`); None: each device runs on a core of its own."""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
     recomputed = remat_lib.recomputed_actions(sched, remat)
@@ -77,7 +80,8 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
         update = [0.0] * sched.num_devices
         for k, cost in enumerate(costs["update_cells"]):
             update[sched.device_of_cell(k)] += cost
-    return simulator.simulate(sched, duration, remat=remat, update_time=update).step_time
+    return simulator.simulate(sched, duration, remat=remat, update_time=update,
+                              processors=processors).step_time
 
 
 def render(serial: dict, partition_report: str

@@ -194,6 +194,70 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "update_time has 3 per-device times"):
             simulator.simulate(sched, duration, update_time=[1.0, 1.0, 1.0])
 
+    def test_devices_sharing_one_processor_by_hand(self):
+        # K=2, T=2, gpipe, forward 1 and backward 2, one processor: two actions running at
+        # once each run at half speed. F00 [0, 1]; F01 and F10 from 1, 1 of work each at 1/2:
+        # [1, 3]; F11 [3, 4]; B11 [4, 6]; B01 and B10 from 6, 2 each at 1/2: [6, 10]; B00
+        # [10, 12]. With updates 1 (device 0) and 3 (device 1): device 1 updates from 10
+        # beside B00, both at 1/2 until B00 ends at 14 (1 of the update left); then both
+        # updates at 1/2 until 16.
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
+        step = simulator.simulate(sched, costs, remat="never", processors=1)
+        expected = {"F(k=0,t=0)": (0, 1), "F(k=0,t=1)": (1, 3), "F(k=1,t=0)": (1, 3),
+                    "F(k=1,t=1)": (3, 4), "B(k=1,t=1)": (4, 6), "B(k=0,t=1)": (6, 10),
+                    "B(k=1,t=0)": (6, 10), "B(k=0,t=0)": (10, 12)}
+        self.assertEqual(expected, {str(a): (step.start[a], step.end[a]) for a in step.start})
+        self.assertAlmostEqual(12.0, step.step_time)
+        with_updates = simulator.simulate(sched, costs, remat="never", processors=1,
+                                          update_time=[1.0, 3.0])
+        self.assertAlmostEqual(16.0, with_updates.step_time)
+        self.assertAlmostEqual(14.0, with_updates.pipeline_time)
+        self.assertAlmostEqual(2.0, with_updates.update_time)
+
+    @parameterized.parameters("gpipe", "1f1b", "zero_bubble")
+    def test_enough_processors_change_nothing(self, name):
+        sched = schedule.make_schedule(name, 4, 8)
+        rng = np.random.default_rng(0)
+        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)),
+                                     transfer=0.1)
+        alone = simulator.simulate(sched, costs, remat="except_last", update_time=[1.0] * 4)
+        for processors in (4, 16):
+            shared = simulator.simulate(sched, costs, remat="except_last",
+                                        update_time=[1.0] * 4, processors=processors)
+            self.assertEqual(alone.start, shared.start)
+            self.assertAlmostEqual(alone.step_time, shared.step_time)
+
+    @parameterized.product(name=["gpipe", "1f1b", "zero_bubble"], processors=[1, 2, 3])
+    def test_shared_processors_keep_order_and_dependencies(self, name, processors):
+        sched = schedule.make_schedule(name, 4, 8)
+        rng = np.random.default_rng(1)
+        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)))
+        alone = simulator.simulate(sched, costs, remat="except_last")
+        step = simulator.simulate(sched, costs, remat="except_last", processors=processors)
+        work = sum(alone.end[a] - alone.start[a] for a in alone.start)
+        # No faster than the work spread over the processors, nor than the devices alone; no
+        # slower than running every action one after the other (without transfers, some action
+        # is always ready, so the processors are never all idle).
+        self.assertGreaterEqual(step.step_time, max(work / processors, alone.step_time) - 1e-9)
+        self.assertLessEqual(step.step_time, work + 1e-9)
+        for order in sched.device_orders():
+            for before, after in zip(order, order[1:]):
+                self.assertLessEqual(step.end[before], step.start[after] + 1e-9)
+        for a in step.start:
+            for d in schedule.dependencies(a, sched.num_cells):
+                self.assertGreaterEqual(step.start[a], step.end[d] - 1e-9)
+            # An action never runs faster than alone.
+            self.assertGreaterEqual(step.end[a] - step.start[a],
+                                    alone.end[a] - alone.start[a] - 1e-9)
+        if processors == 1:
+            self.assertAlmostEqual(step.step_time, work)
+
+    def test_zero_processors_are_refused(self):
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        with self.assertRaisesRegex(ValueError, "processors=0"):
+            simulator.simulate(sched, simulator.PhaseCosts.uniform(2, 1.0, 2.0), processors=0)
+
     def test_docstring_example(self):
         self.assertEqual(0, doctest.testmod(simulator).failed)
 

@@ -168,7 +168,8 @@ class SimulatedStep:
 def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action], float],
              remat: str = "except_last", transfer: float | None = None,
              setup_time: float = 0.0,
-             update_time: float | Sequence[float] = 0.0) -> SimulatedStep:
+             update_time: float | Sequence[float] = 0.0,
+             processors: int | None = None) -> SimulatedStep:
     """Replays `sched` with the given durations.
 
     Args:
@@ -183,6 +184,12 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         device, each starting when that device's last action ends (a device updates its
         own weights while others still run); the step ends with the last update. The
         step's `update_time` is what the updates add after the last action.
+      processors: how many actions can run at full speed at once, when the devices share
+        fewer processors than there are devices (logical CPU devices on a host's cores: each
+        serial device is one thread). None: every device runs on its own. With n > processors
+        actions running, each runs at processors / n of its speed (the cores are time-shared
+        equally); durations are each action's time running alone. The per-device updates share
+        the processors too.
     """
     recomputed = remat_lib.recomputed_actions(sched, remat)
     if isinstance(costs, PhaseCosts):
@@ -211,6 +218,26 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         def recompute_of(a: Action) -> float:
             return 0.0
 
+    if processors is not None and processors < 1:
+        raise ValueError(f"processors={processors}: it must be >= 1 (or None: one per device).")
+    if processors is not None and processors < sched.num_devices:
+        per_device_update = (list(update_time) if not isinstance(update_time, (int, float))
+                             else None)
+        if per_device_update is not None and len(per_device_update) != sched.num_devices:
+            raise ValueError(f"update_time has {len(per_device_update)} per-device times, the "
+                             f"schedule {sched.num_devices} devices.")
+        start, end, device_free = _replay_on_shared_processors(
+            sched, duration, transfer, setup_time, per_device_update or [0.0] *
+            sched.num_devices, processors)
+        recompute_time = [0.0] * sched.num_devices
+        for a in start:
+            recompute_time[sched.device_of_cell(a.cell)] += recompute_of(a)
+        last = max(end.values(), default=setup_time)
+        if per_device_update is not None:
+            update_time = max(0.0, max(device_free) - last)
+        return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
+                             recomputed=recomputed, recompute_time=tuple(recompute_time),
+                             setup_time=setup_time, update_time=update_time)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     device_free = [setup_time] * sched.num_devices
@@ -237,6 +264,78 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
     return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
                          recomputed=recomputed, recompute_time=tuple(recompute_time),
                          setup_time=setup_time, update_time=update_time)
+
+
+def _replay_on_shared_processors(sched: schedule_lib.Schedule,
+                                 duration: Callable[[Action], float], transfer: float,
+                                 setup_time: float, update: Sequence[float], processors: int
+                                 ) -> tuple[dict[Action, float], dict[Action, float], list[float]]:
+    """`simulate`'s replay when devices time-share `processors` cores (processor sharing).
+
+    Event by event: at each instant, the running actions (at most one per device) each
+    progress at min(1, processors / running) of their speed; the next event is the first
+    completion or the first moment a waiting action's inputs are ready. After its last action,
+    a device runs its update (`update[device]`), which also takes its share. Returns each
+    action's start and end, and when each device finished its update.
+    """
+    num_devices, num_cells = sched.num_devices, sched.num_cells
+    orders = sched.device_orders()
+    device = [sched.device_of_cell(k) for k in range(num_cells)]
+    position = [0] * num_devices
+    running: dict[int, list] = {}  # device -> [action or None (its update), remaining work]
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    finished = [setup_time] * num_devices
+    done = [False] * num_devices
+    now = setup_time
+
+    def ready_time(dev: int) -> float | None:
+        """When `dev`'s next job can start (None: it waits on an action not finished)."""
+        if position[dev] == len(orders[dev]):
+            return finished[dev]  # Its update, right after its last action.
+        a = orders[dev][position[dev]]
+        ready = finished[dev]
+        for d in schedule_lib.dependencies(a, num_cells):
+            if d not in end:
+                return None
+            ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
+        return ready
+
+    while not all(done):
+        waiting = {}
+        for dev in range(num_devices):
+            if dev in running or done[dev]:
+                continue
+            ready = ready_time(dev)
+            if ready is None:
+                continue
+            if ready <= now:
+                if position[dev] < len(orders[dev]):
+                    a = orders[dev][position[dev]]
+                    start[a] = now
+                    running[dev] = [a, duration(a)]
+                else:
+                    running[dev] = [None, update[dev]]
+            else:
+                waiting[dev] = ready
+        rate = min(1.0, processors / len(running)) if running else 1.0
+        next_event = min(list(waiting.values())
+                         + [now + job[1] / rate for job in running.values()], default=None)
+        if next_event is None:
+            raise RuntimeError(f"{sched!r}: the replay found no action that can run.")
+        for dev in list(running):
+            job = running[dev]
+            job[1] -= (next_event - now) * rate
+            if job[1] <= 1e-12 * max(1.0, next_event):
+                del running[dev]
+                finished[dev] = next_event
+                if job[0] is None:
+                    done[dev] = True
+                else:
+                    end[job[0]] = next_event
+                    position[dev] += 1
+        now = next_event
+    return start, end, finished
 
 
 @dataclasses.dataclass(frozen=True)
