@@ -5,6 +5,12 @@ created on its weight's device, so a pipeline cell's update runs on the cell's
 device, (2) they work on plain `tf.Variable`s, and (3) the update rules are the
 classic TF ones the GPipe paper used (TF1 RMSProp with its epsilon inside the
 square root and mean-square accumulator starting at 1).
+
+SGD and RMSProp update a plain variable with TensorFlow's fused training kernels
+(`ResourceApplyMomentum`, `ResourceApplyRMSProp`, `ResourceApplyAdam`, ...), which write the
+weight and its slots in place: the update allocates no weight-sized temporaries, so a device's
+peak does not depend on when the executor frees them. Distributed variables (a TPUStrategy's)
+use the same rules written as tensor ops.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ class BaseOptimizer:
         """Slot name -> initial value."""
         return {}
 
+    def _scalar_slots(self) -> frozenset[str]:
+        """Slots that hold one number per weight (a step count) rather than one per element."""
+        return frozenset()
+
+    def weight_sized_slots(self) -> int:
+        """How many slots the size of its weight each trainable weight gets."""
+        return len(set(self._slot_names()) - self._scalar_slots())
+
     def create_slots(self, variables: Sequence[tf.Variable]) -> None:
         """Creates slots eagerly, each on its variable's device (call before tracing)."""
         for var in variables:
@@ -44,7 +58,8 @@ class BaseOptimizer:
             with colocation.colocated(var):
                 self._slots[key] = {
                     name: tf.Variable(
-                        tf.fill(var.shape, tf.cast(init, var.dtype)), trainable=False,
+                        tf.fill([] if name in self._scalar_slots() else var.shape,
+                                tf.cast(init, var.dtype)), trainable=False,
                         name=f"{var.name.split(':')[0]}.{name}")
                     for name, init in self._slot_names().items()
                 }
@@ -91,6 +106,14 @@ class BaseOptimizer:
         raise NotImplementedError
 
 
+def _fused(grad: tf.Tensor, var: tf.Variable) -> tf.Tensor | None:
+    """`grad` as a dense tensor when `var` is a plain resource variable that a fused training
+    kernel can update in place; None otherwise (the update is then written as tensor ops)."""
+    if isinstance(var, tf.distribute.DistributedValues) or not hasattr(var, "handle"):
+        return None
+    return tf.convert_to_tensor(grad, dtype=var.dtype)
+
+
 class SGD(BaseOptimizer):
     """Plain gradient descent, or momentum (optionally Nesterov) when momentum > 0."""
 
@@ -106,6 +129,15 @@ class SGD(BaseOptimizer):
 
     def _apply_one(self, grad, var, slots, lr):  # noqa: ANN001
         p = self.params
+        dense = _fused(grad, var)
+        if dense is not None and not p.momentum:
+            return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr,
+                                                           delta=dense)
+        if dense is not None:  # accum = momentum * accum + grad; var -= lr * (accum or,
+            # Nesterov, grad + momentum * accum).
+            return tf.raw_ops.ResourceApplyMomentum(
+                var=var.handle, accum=slots["momentum"].handle, lr=lr, grad=dense,
+                momentum=tf.cast(p.momentum, var.dtype), use_nesterov=p.nesterov)
         if not p.momentum:
             return var.assign_sub(lr * grad)
         mom = slots["momentum"].assign(p.momentum * slots["momentum"] + grad)
@@ -127,13 +159,27 @@ class Adam(BaseOptimizer):
     def _slot_names(self) -> dict[str, float]:
         return {"m": 0.0, "v": 0.0, "t": 0.0}
 
+    def _scalar_slots(self) -> frozenset[str]:
+        return frozenset({"t"})  # The weight's step count.
+
     def _apply_one(self, grad, var, slots, lr):  # noqa: ANN001
         p = self.params
-        t = slots["t"].assign_add(tf.ones_like(slots["t"]))
-        m = slots["m"].assign(p.beta1 * slots["m"] + (1 - p.beta1) * grad)
-        v = slots["v"].assign(p.beta2 * slots["v"] + (1 - p.beta2) * tf.square(grad))
-        m_hat = m / (1 - tf.pow(tf.cast(p.beta1, var.dtype), t))
-        v_hat = v / (1 - tf.pow(tf.cast(p.beta2, var.dtype), t))
+        t = slots["t"].assign_add(tf.ones([], var.dtype))
+        beta1, beta2 = tf.cast(p.beta1, var.dtype), tf.cast(p.beta2, var.dtype)
+        beta1_power, beta2_power = tf.pow(beta1, t), tf.pow(beta2, t)
+        dense = _fused(grad, var)
+        if dense is not None:
+            # The kernel computes lr sqrt(1 - beta2^t) / (1 - beta1^t) m / (sqrt(v) + eps'),
+            # which is lr m_hat / (sqrt(v_hat) + epsilon) for eps' = epsilon sqrt(1 - beta2^t).
+            return tf.raw_ops.ResourceApplyAdam(
+                var=var.handle, m=slots["m"].handle, v=slots["v"].handle,
+                beta1_power=beta1_power, beta2_power=beta2_power, lr=lr, beta1=beta1,
+                beta2=beta2, epsilon=tf.cast(p.epsilon, var.dtype) * tf.sqrt(1 - beta2_power),
+                grad=dense)
+        m = slots["m"].assign(beta1 * slots["m"] + (1 - beta1) * grad)
+        v = slots["v"].assign(beta2 * slots["v"] + (1 - beta2) * tf.square(grad))
+        m_hat = m / (1 - beta1_power)
+        v_hat = v / (1 - beta2_power)
         return var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
 
 
@@ -153,6 +199,12 @@ class RMSProp(BaseOptimizer):
 
     def _apply_one(self, grad, var, slots, lr):  # noqa: ANN001
         p = self.params
+        dense = _fused(grad, var)
+        if dense is not None:  # The same rule in one kernel, in place.
+            return tf.raw_ops.ResourceApplyRMSProp(
+                var=var.handle, ms=slots["ms"].handle, mom=slots["momentum"].handle, lr=lr,
+                rho=tf.cast(p.decay, var.dtype), momentum=tf.cast(p.momentum, var.dtype),
+                epsilon=tf.cast(p.epsilon, var.dtype), grad=dense)
         ms = slots["ms"].assign(p.decay * slots["ms"] + (1 - p.decay) * tf.square(grad))
         mom = slots["momentum"].assign(
             p.momentum * slots["momentum"] + lr * grad / tf.sqrt(ms + p.epsilon))

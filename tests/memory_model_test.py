@@ -39,7 +39,7 @@ def test_optimizer_slots_match_the_optimizers():
     assert memory_model.optimizer_slots(optimizers.SGD.Params()) == 0
     assert memory_model.optimizer_slots(optimizers.SGD.Params().Set(momentum=0.9)) == 1
     assert memory_model.optimizer_slots(optimizers.RMSProp.Params()) == 2
-    assert memory_model.optimizer_slots(optimizers.Adam.Params()) == 3
+    assert memory_model.optimizer_slots(optimizers.Adam.Params()) == 2
 
 
 def test_in_flight_follows_the_schedule_order():

@@ -16,7 +16,7 @@ whose device walks the actions of all of them in its own order):
   backwards before it starts the next's never holds both cells' temporaries (weight-heavy,
   K = 2, v = 2, T = 2: device 0 runs `2B0 2B1 0B0 0B1`, BENCHMARKS.md section 9d);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
-  (SGD with momentum 1, Adam 3, RMSProp 2, plain SGD 0);
+  (SGD with momentum 1, Adam 2 (and a step count), RMSProp 2, plain SGD 0);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
   micro-batch slices);
 * activations at the worst moment of the device's own order: for every (cell, micro-batch)
@@ -151,14 +151,14 @@ def optimizer_slots(optimizer_params: Any) -> int:
 
     >>> from lingvo_lite import optimizers
     >>> optimizer_slots(optimizers.Adam.Params()), optimizer_slots(optimizers.RMSProp.Params())
-    (3, 2)
+    (2, 2)
     """
     if optimizer_params is None:
         return 0
     cls = optimizer_params.cls
     optimizer = cls.__new__(cls)
     optimizer.params = optimizer_params
-    return len(optimizer._slot_names())
+    return optimizer.weight_sized_slots()
 
 
 @dataclasses.dataclass(frozen=True)
