@@ -54,20 +54,19 @@ def test_in_flight_follows_the_schedule_order():
 
 
 def test_parts_by_hand_gpipe_never():
-    # Cell 1 holds layers 2, 3; T = 4, no recomputation, Adam (3 slots).
+    # Cell 1 holds layers 2, 3; T = 4, no recomputation, 3 weight-sized optimizer slots.
     mem = memory_model.device_memory(_two_cells(), [LAYER] * 4, 800,
                                      schedule.make_schedule("gpipe", 2, 4), "never",
                                      num_slots=3)[1]
-    # Gradients: the gradients (800), the temporaries min(800, 2 x 400) and the running sum
-    # less the largest layer's (800 - 400).
-    assert (mem.weights, mem.gradients, mem.optimizer_slots, mem.inputs) == (800, 2000, 2400, 0)
+    # Gradients: the running sums (800) and, beside them, the next micro-batch's (800).
+    assert (mem.weights, mem.gradients, mem.optimizer_slots, mem.inputs) == (800, 1600, 2400, 0)
     # Each of 4 micro-batches keeps its received input (800 / 4) and both layers' saved
     # activations (2 x 1600 / 4): 4 x 1000.
     assert mem.kept_activations == 4 * (200 + 800)
     # Back-propagating the last layer of micro-batch 3: its received output gradient (200)
     # and the layer's temporaries max(2 x 800, 1600 / 2) / 4 = 400 beyond what is kept.
     assert mem.working_activations == 200 + 400
-    assert mem.total == 800 + 2000 + 2400 + 4000 + 600
+    assert mem.total == 800 + 1600 + 2400 + 4000 + 600
 
 
 def test_parts_by_hand_remat_always():
@@ -181,7 +180,7 @@ def test_interleaved_device_walks_all_its_cells():
     assert [m.cells for m in mem] == [(0, 2), (1, 3)]
     first, second = mem
     # Both cells' weights on one device. At the peak (2B0, below) only cell 2's backward has
-    # started: its gradient 400 + temporaries min(400, 2 x 400) + (400 - 400).
+    # started: its sum 400 and the next micro-batch's gradient beside it, 400.
     assert (first.weights, first.gradients, first.inputs) == (800, 800, 800)
     # At 2B0 all four forwards are in flight: 2 x 800 (cell 0) + 2 x (400 + 800) (cell 2);
     # the backward adds its output gradient (400) and temporaries max(2 x 800, 800) / 2.
@@ -196,11 +195,10 @@ def test_interleaved_device_walks_all_its_cells():
 def test_interleaved_gradients_follow_each_cells_backwards():
     # Weight-heavy one-layer cells (40,000 B of weights each), v = 2, T = 2. Device 0 runs
     # 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1: no gradient during the forwards; from 2B0 cell 2's sum
-    # (40,000) and, while its backwards run, the temporaries min(40,000, 2 x 40,000); from 0B0
-    # both sums (80,000) and cell 0's temporaries (40,000). Cell 2's temporaries are gone by
-    # then, so the device never holds both cells' (the weight-heavy benchmark model,
-    # BENCHMARKS.md 9d: device 0 measured 113.6 and 139.8 MiB in two runs, the model says
-    # 113.8; both cells' at once said 146.3).
+    # (40,000) and, while its backwards run, a new gradient beside it (40,000); from 0B0 both
+    # sums (80,000) and cell 0's new gradient (40,000). Cell 2's is gone by then, so the
+    # device never holds both cells' new gradients (the weight-heavy benchmark model,
+    # BENCHMARKS.md 9d).
     heavy = dataclasses.replace(LAYER, param_bytes=40000, trainable_bytes=40000)
     part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
     interleaved = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)

@@ -7,14 +7,14 @@ whose device walks the actions of all of them in its own order):
 
 * weights: every parameter of the cells' layers (trainable or not);
 * gradients, followed through the device's order: a cell's weight gradients exist from its
-  first backward, and their sum stays until the step's update; while the cell's backwards (or
-  split backward's W) run, the temporaries of computing and applying them (two of the largest
-  layer's weights, at most the running cells'), and with T > 1 the next micro-batch's gradient
-  beside the running sum, less the largest layer's (fitted on weight-heavy dense layers at
-  K = 1, 2, 4: one cell of one layer held no second copy; TensorFlow's add writes into a
-  buffer it no longer needs). A device of the interleaved schedule that finishes one cell's
-  backwards before it starts the next's never holds both cells' temporaries (weight-heavy,
-  K = 2, v = 2, T = 2: device 0 runs `2B0 2B1 0B0 0B1`, BENCHMARKS.md section 9d);
+  first backward, and their sum stays until the step's update; with T > 1, while the cell's
+  backwards (or split backward's W) run, the next micro-batch's gradients stand beside the
+  running sums (measured on weight-heavy dense layers at K = 1, 2, 4: sums + one new gradient
+  per weight at T = 4 and 8, the sums alone at T = 1). The update adds nothing: the optimizers
+  write in place (fused kernels), after the cell's last input gradient, so no read of the
+  weight is alive to force a copy. A device of the interleaved schedule that finishes one
+  cell's backwards before it starts the next's never holds both cells' new gradients
+  (weight-heavy, K = 2, v = 2, T = 2: device 0 runs `2B0 2B1 0B0 0B1`, BENCHMARKS.md 9d);
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 2 (and a step count), RMSProp 2, plain SGD 0);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
@@ -76,7 +76,7 @@ device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
 >>> gpipe = schedule.make_schedule("gpipe", 2, 4)
 >>> mem = memory_model.device_memory(part, layers, 800, gpipe, "never", num_slots=1)
 >>> mem[1].weights, mem[1].gradients, mem[1].optimizer_slots
-(800, 2000, 800)
+(800, 1600, 800)
 >>> mem[1].peak_in_flight  # GPipe: all T micro-batches in flight.
 4
 """
@@ -366,16 +366,14 @@ def _gradient_bytes(order: Sequence[schedule_lib.Action], cells: Sequence[int],
         if action.phase is gradient_phase:
             last_gradient[action.cell] = i
     trainable = {k: sum(m.trainable_bytes for m in cell_layers[k]) for k in cells}
-    largest = {k: max((m.trainable_bytes for m in cell_layers[k]), default=0) for k in cells}
     out = []
     for i in range(len(order)):
         started = [k for k in cells if first_backward.get(k, len(order)) <= i]
         running = [k for k in started if i <= last_gradient.get(k, -1)]
         sums = sum(trainable[k] for k in started)
-        running_bytes = sum(trainable[k] for k in running)
-        running_largest = max((largest[k] for k in running), default=0)
-        out.append(sums + min(running_bytes, 2 * running_largest)
-                   + (running_bytes - running_largest if num_micro > 1 else 0))
+        # With T > 1, a backward's new weight gradients stand beside the running sums until
+        # they are added in; with T = 1 the gradients are the sums.
+        out.append(sums + (sum(trainable[k] for k in running) if num_micro > 1 else 0))
     return out
 
 

@@ -11,7 +11,9 @@ load imbalance, bubble) as `trace_analysis.Breakdown` defines it for measured st
 and measurement read the same way.
 
 It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
-micro-batches take seconds.
+micro-batches take seconds. Devices that time-share fewer processors than there are devices
+(K logical CPU devices on a host's cores) are replayed event by event with `processors=`:
+n > processors running actions each progress at processors / n of their speed.
 
 >>> from lingvo_lite.pipeline import schedule, simulator
 >>> gpipe = schedule.make_schedule("gpipe", 4, 8)
