@@ -6,7 +6,7 @@ device, (2) they work on plain `tf.Variable`s, and (3) the update rules are the
 classic TF ones the GPipe paper used (TF1 RMSProp with its epsilon inside the
 square root and mean-square accumulator starting at 1).
 
-SGD and RMSProp update a plain variable with TensorFlow's fused training kernels
+SGD, RMSProp and Adam update a plain variable with TensorFlow's fused training kernels
 (`ResourceApplyMomentum`, `ResourceApplyRMSProp`, `ResourceApplyAdam`, ...), which write the
 weight and its slots in place: the update allocates no weight-sized temporaries, so a device's
 peak does not depend on when the executor frees them. Distributed variables (a TPUStrategy's)
