@@ -222,50 +222,48 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
 
     if processors is not None and processors < 1:
         raise ValueError(f"processors={processors}: it must be >= 1 (or None: one per device).")
+    per_device_update = (None if isinstance(update_time, (int, float))
+                         else list(update_time))
+    if per_device_update is not None and len(per_device_update) != sched.num_devices:
+        raise ValueError(f"update_time has {len(per_device_update)} per-device times, the "
+                         f"schedule {sched.num_devices} devices.")
     if processors is not None and processors < sched.num_devices:
-        per_device_update = (list(update_time) if not isinstance(update_time, (int, float))
-                             else None)
-        if per_device_update is not None and len(per_device_update) != sched.num_devices:
-            raise ValueError(f"update_time has {len(per_device_update)} per-device times, the "
-                             f"schedule {sched.num_devices} devices.")
         start, end, device_free = _replay_on_shared_processors(
-            sched, duration, transfer, setup_time, per_device_update or [0.0] *
-            sched.num_devices, processors)
-        recompute_time = [0.0] * sched.num_devices
-        for a in start:
-            recompute_time[sched.device_of_cell(a.cell)] += recompute_of(a)
-        last = max(end.values(), default=setup_time)
+            sched, duration, transfer, setup_time,
+            per_device_update or [0.0] * sched.num_devices, processors)
+    else:
+        start, end, device_free = {}, {}, [setup_time] * sched.num_devices
+        device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
+        # The unit-time order respects every dependency and each device's order, so each
+        # action's predecessors are final when it is reached.
+        for a in sched.actions():
+            dev = device[a.cell]
+            start[a] = max(device_free[dev], _inputs_ready(a, end, transfer, device))
+            end[a] = start[a] + duration(a)
+            device_free[dev] = end[a]
         if per_device_update is not None:
-            update_time = max(0.0, max(device_free) - last)
-        return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
-                             recomputed=recomputed, recompute_time=tuple(recompute_time),
-                             setup_time=setup_time, update_time=update_time)
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    device_free = [setup_time] * sched.num_devices
+            device_free = [f + u for f, u in zip(device_free, per_device_update)]
     recompute_time = [0.0] * sched.num_devices
-    device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
-    # The unit-time order respects every dependency and each device's order, so each
-    # action's predecessors are final when it is reached.
-    for a in sched.actions():
-        dev = device[a.cell]
-        ready = device_free[dev]
-        for d in schedule_lib.dependencies(a, sched.num_cells):
-            ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
-        start[a] = ready
-        end[a] = ready + duration(a)
-        device_free[dev] = end[a]
-        recompute_time[dev] += recompute_of(a)
-    if not isinstance(update_time, (int, float)):
-        per_device = list(update_time)
-        if len(per_device) != sched.num_devices:
-            raise ValueError(f"update_time has {len(per_device)} per-device times, the "
-                             f"schedule {sched.num_devices} devices.")
-        last = max(end.values(), default=setup_time)
-        update_time = max(0.0, max(f + u for f, u in zip(device_free, per_device)) - last)
+    for a in start:
+        recompute_time[sched.device_of_cell(a.cell)] += recompute_of(a)
+    if per_device_update is not None:
+        update_time = max(0.0, max(device_free) - max(end.values(), default=setup_time))
     return SimulatedStep(schedule=sched, remat=remat, start=start, end=end,
                          recomputed=recomputed, recompute_time=tuple(recompute_time),
                          setup_time=setup_time, update_time=update_time)
+
+
+def _inputs_ready(action: Action, end: dict[Action, float], transfer: float,
+                  device: Sequence[int]) -> float | None:
+    """When all of `action`'s dependencies have ended (plus `transfer` from another device;
+    `device[k]` runs cell k); None while one has not."""
+    dev = device[action.cell]
+    ready = 0.0
+    for d in schedule_lib.dependencies(action, len(device)):
+        if d not in end:
+            return None
+        ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
+    return ready
 
 
 def _replay_on_shared_processors(sched: schedule_lib.Schedule,
@@ -280,9 +278,9 @@ def _replay_on_shared_processors(sched: schedule_lib.Schedule,
     a device runs its update (`update[device]`), which also takes its share. Returns each
     action's start and end, and when each device finished its update.
     """
-    num_devices, num_cells = sched.num_devices, sched.num_cells
+    num_devices = sched.num_devices
     orders = sched.device_orders()
-    device = [sched.device_of_cell(k) for k in range(num_cells)]
+    device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
     position = [0] * num_devices
     running: dict[int, list] = {}  # device -> [action or None (its update), remaining work]
     start: dict[Action, float] = {}
@@ -295,13 +293,8 @@ def _replay_on_shared_processors(sched: schedule_lib.Schedule,
         """When `dev`'s next job can start (None: it waits on an action not finished)."""
         if position[dev] == len(orders[dev]):
             return finished[dev]  # Its update, right after its last action.
-        a = orders[dev][position[dev]]
-        ready = finished[dev]
-        for d in schedule_lib.dependencies(a, num_cells):
-            if d not in end:
-                return None
-            ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
-        return ready
+        inputs = _inputs_ready(orders[dev][position[dev]], end, transfer, device)
+        return None if inputs is None else max(finished[dev], inputs)
 
     while not all(done):
         waiting = {}
