@@ -138,7 +138,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                saved_activation_bytes: int | None = None,
                weight_op_bytes: int | None = None,
                backward_temporary_bytes: int | None = None,
-               inline_backward_temporary_bytes: int | None = None) -> NestedMap:
+               inline_backward_temporary_bytes: int | None = None,
+               saved_covers_input: bool = False) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -166,6 +167,12 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         activations when each is freed as soon as the backward has passed its last reader
         (an inline backward, or a re-computing one that does not defer weight gradients);
         None: `backward_temporary_bytes`, as if all stayed until the end.
+      saved_covers_input: True when `saved_activation_bytes` lists exactly the tensors the
+        layer's gradients read, its input included where they read it (attention, AmoebaNet
+        cells): nothing else need hold the input for its backward. False (the default
+        estimate's convention): the input is the previous layer's output, counted there,
+        and a pipeline cell that starts with this layer keeps its received input until the
+        backward (`saved_covers_input()`).
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -185,7 +192,29 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         meta.backward_temporary_bytes = int(backward_temporary_bytes)
     if inline_backward_temporary_bytes is not None:
         meta.inline_backward_temporary_bytes = int(inline_backward_temporary_bytes)
+    if saved_covers_input:
+        meta.saved_covers_input = True
     return meta
+
+
+def saved_covers_input(meta: NestedMap) -> bool:
+    """Whether `meta`'s saved activations already count what its backward reads of its input
+    (`fprop_meta(saved_covers_input=...)`).
+
+    Measured (BENCHMARKS.md section 9): an AmoebaNet cell on a pipeline's second device keeps
+    no copy of its received input beside its saved tensors. Its first op, a ReLU, overwrites
+    the received buffer in place, and that buffer is the ReLU output the cell's saved bytes
+    count. A dense layer's weight gradient reads its input, which its saved bytes (its
+    output) leave to the layer before it.
+
+    >>> saved_covers_input(fprop_meta(0, tf.TensorShape([8, 4])))
+    False
+    >>> first = fprop_meta(0, tf.TensorShape([8, 4]), saved_covers_input=True)
+    >>> saved_covers_input(fprop_meta(0, tf.TensorShape([8, 4]), **composite_memory(
+    ...     [first, fprop_meta(0, tf.TensorShape([8, 4]))])))  # A chain: its first layer's.
+    True
+    """
+    return bool(meta.get("saved_covers_input", False))
 
 
 def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
@@ -210,8 +239,8 @@ def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
 def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[str, Any]:
     """The memory arguments of `fprop_meta` for a layer that runs `metas`' layers one after
     another: it keeps what they keep (plus `saved_extra` bytes of its own), defers what they
-    defer, and its gradient temporaries are its largest child's (it back-propagates through one
-    child after another).
+    defer, its gradient temporaries are its largest child's (it back-propagates through one
+    child after another), and its saved bytes cover its input when its first child's do.
 
     >>> a = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
     >>> b = fprop_meta(0, tf.TensorShape([8, 4]))  # Saves its output, 128 bytes.
@@ -222,7 +251,8 @@ def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[s
     return dict(
         saved_activation_bytes=saved_extra + sum(saved_activation_bytes(m) for m in metas),
         weight_op_bytes=weight_op_bytes(metas),
-        backward_temporary_bytes=max(map(backward_temporary_bytes, metas), default=None))
+        backward_temporary_bytes=max(map(backward_temporary_bytes, metas), default=None),
+        saved_covers_input=bool(metas) and saved_covers_input(metas[0]))
 
 
 class BaseLayer(tf.Module):
@@ -467,5 +497,5 @@ def _with_init(
 
 
 __all__ = ["BaseLayer", "fprop_meta", "activation_bytes", "saved_activation_bytes",
-    "extra_param_counts", "to_shape", "weight_op_bytes", "DEFAULT_SAVED_ACTIVATION_FACTOR",
-    "EXTRA_PARAM_COUNTS"]
+           "saved_covers_input", "extra_param_counts", "to_shape", "weight_op_bytes",
+           "DEFAULT_SAVED_ACTIVATION_FACTOR", "EXTRA_PARAM_COUNTS"]

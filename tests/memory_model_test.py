@@ -89,6 +89,25 @@ def test_except_last_keeps_the_micro_batch_that_is_not_recomputed():
     assert mem.kept_activations == 4 * 200 + 800
 
 
+def test_no_input_copy_when_the_first_layers_saved_bytes_cover_the_input():
+    # Layer 2 (cell 1's first) counts what its backward reads of its input among its own
+    # saved bytes (an AmoebaNet cell whose ReLU overwrites the received buffer): a micro-batch
+    # that is not re-computed keeps 2 x 1600 / 4 = 800, no 200-byte input copy beside it.
+    covering = [LAYER, LAYER, dataclasses.replace(LAYER, saved_covers_input=True), LAYER]
+    gpipe = schedule.make_schedule("gpipe", 2, 4)
+    never = memory_model.device_memory(_two_cells(), covering, 800, gpipe, "never")[1]
+    assert never.kept_activations == 4 * 800
+    # Re-computed micro-batches still keep the input copy they re-compute from: 3 x 200 for
+    # micro-batches 0-2, and micro-batch 3 (not re-computed) its 800.
+    except_last = memory_model.device_memory(_two_cells(), covering, 800, gpipe,
+                                             "except_last")[1]
+    assert except_last.kept_activations == 3 * 200 + 800
+    # Only the first layer decides: covering layer 3 changes nothing.
+    later = [LAYER, LAYER, LAYER, dataclasses.replace(LAYER, saved_covers_input=True)]
+    assert memory_model.device_memory(_two_cells(), later, 800, gpipe,
+                                      "never")[1].kept_activations == 4 * (200 + 800)
+
+
 def test_declared_temporaries_and_the_recomputing_call():
     # Layer 2 declares 4,000 B of gradient temporaries with all its saved activations held,
     # 2,000 B beyond them when it frees them as it goes; layer 3 160 B for both (AmoebaNet

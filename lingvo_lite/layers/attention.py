@@ -247,4 +247,5 @@ class MultiHeadedAttention(base_layer.BaseLayer):
             saved_activation_bytes=saved * size + probs * tf.float32.size + kept_masks,
             weight_op_bytes=weight_ops * size,
             backward_temporary_bytes=temporaries,
+            saved_covers_input=True,  # The query input is among the saved tensors.
         )

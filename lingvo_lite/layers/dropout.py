@@ -207,7 +207,8 @@ class DropoutLayer(base_layer.BaseLayer):
             # The backward keeps the boolean mask (1 byte per element of the noise shape).
             mask = cls._mask_elements(p, shape)
         return base_layer.fprop_meta(flops, shape, 0, p.fprop_dtype or p.dtype,
-                                     saved_activation_bytes=mask * tf.bool.size)
+                                     saved_activation_bytes=mask * tf.bool.size,
+                                     saved_covers_input=True)  # Only the mask is read.
 
     @classmethod
     def _mask_elements(cls, p: hyperparams.Params, shape: tf.TensorShape) -> int:

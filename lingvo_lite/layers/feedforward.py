@@ -111,7 +111,8 @@ class FeedForwardLayer(base_layer.BaseLayer):
             flops += shape.num_elements()
         return base_layer.fprop_meta(flops, shape, num_params, dtype,
                                      saved_activation_bytes=saved,
-                                     weight_op_bytes=base_layer.weight_op_bytes(metas))
+                                     weight_op_bytes=base_layer.weight_op_bytes(metas),
+                                     saved_covers_input="layer_norm" in by_name)
 
 
 __all__ = ["FeedForwardLayer"]

@@ -233,4 +233,5 @@ class LayerNorm(base_layer.BaseLayer):
             # gradient) and 1 / std per position, all float32 whatever the fprop dtype.
             saved_activation_bytes=(2 * n + n // p.input_dim) * tf.float32.size,
             weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
+            saved_covers_input=True,  # Its gradients do not read the input itself.
         )

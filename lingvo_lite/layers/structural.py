@@ -87,7 +87,8 @@ class FieldLayer(base_layer.BaseLayer):
                                      saved_activation_bytes=base_layer.saved_activation_bytes(meta),
                                      weight_op_bytes=meta.get("weight_op_bytes"),
                                      backward_temporary_bytes=base_layer.backward_temporary_bytes(
-                                         meta))
+                                         meta),
+                                     saved_covers_input=base_layer.saved_covers_input(meta))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -160,4 +161,5 @@ class FieldsLayer(base_layer.BaseLayer):
                                      saved_activation_bytes=base_layer.saved_activation_bytes(meta),
                                      weight_op_bytes=meta.get("weight_op_bytes"),
                                      backward_temporary_bytes=base_layer.backward_temporary_bytes(
-                                         meta))
+                                         meta),
+                                     saved_covers_input=base_layer.saved_covers_input(meta))

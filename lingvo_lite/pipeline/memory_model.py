@@ -22,8 +22,12 @@ whose device walks the actions of all of them in its own order):
 * activations at the worst moment of the device's own order: for every (cell, micro-batch)
   whose forward ran and whose backward has not (walked from `Schedule.device_order`, so GPipe
   keeps T, 1F1B at most K - k, interleaved and any new schedule their own), the received
-  boundary copy of its input, plus all its saved activations when its backward does not
-  recompute (the same decision as `remat.recomputed_actions`); plus the working set of the
+  boundary copy of its input, or all its saved activations when its backward does not
+  recompute (the same decision as `remat.recomputed_actions`), with the input copy too unless
+  the cell's first layer's saved bytes cover what its backward reads of it
+  (`base_layer.saved_covers_input`: an AmoebaNet cell's first op, a ReLU, overwrites the
+  received buffer in place, and a Transformer block's gradients read only tensors made from
+  its input; a dense layer's weight gradient reads the input itself); plus the working set of the
   running action (of the cell it belongs to): one
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
@@ -113,6 +117,9 @@ class LayerMemory:
     # Its backward's most beyond its saved activations when it frees each as soon as its last
     # reader is back-propagated (an inline backward); None: `temporaries`.
     inline_temporary_bytes: int | None = None
+    # saved_bytes already counts what its backward reads of its input
+    # (`base_layer.saved_covers_input`); False: its input is the previous layer's output.
+    saved_covers_input: bool = False
 
     @property
     def temporaries(self) -> int:
@@ -142,7 +149,8 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
                                saved_bytes=saved,
                                backward_temporary_bytes=m.get("backward_temporary_bytes"),
                                deferred_bytes=int(deferred),
-                               inline_temporary_bytes=m.get("inline_backward_temporary_bytes")))
+                               inline_temporary_bytes=m.get("inline_backward_temporary_bytes"),
+                               saved_covers_input=base_layer.saved_covers_input(m)))
     return out
 
 
@@ -197,7 +205,8 @@ class _CellActivations:
     boundary_in: float  # Its input.
     boundary_out: float  # Its output, and the output gradient its backward receives.
     saved: float  # All its layers' saved activations.
-    kept_input: float  # The input copy held from its forward to its backward.
+    kept_input: float  # The input copy a re-computing backward starts from.
+    inline_kept_input: float  # Of it, what a backward that does not re-compute holds.
     forward_work: float  # A forward that keeps nothing: about one layer's activations.
     backward_work: float  # A kept micro-batch's inline backward, at its worst layer.
     call_work: float  # A re-computing backward call (see `_cell_activations`).
@@ -225,6 +234,8 @@ def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: in
         saved=saved,
         # Cell 0's micro-batch inputs are slices of the mini-batch its device already holds.
         kept_input=0.0 if k == 0 else boundary_in,
+        inline_kept_input=0.0 if k == 0 or (cell and cell[0].saved_covers_input)
+        else boundary_in,
         forward_work=max((m.saved_bytes for m in cell), default=0) / num_micro,
         backward_work=backward_work + boundary_out,
         # A re-computing call frees what it re-computed as its backward passes (profiled:
@@ -317,8 +328,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                                     - backwards[c]))
             if action.phase is Phase.FORWARD:
                 backward = schedule_lib.Action(Phase.BACKWARD, k, t)
-                stash[(k, t)] = size.kept_input + (0.0 if backward in recomputed
-                                                   else size.saved)
+                stash[(k, t)] = (size.kept_input if backward in recomputed
+                                 else size.inline_kept_input + size.saved)
                 kept += stash[(k, t)]
                 in_flight += 1
                 working = size.forward_work if backward in recomputed else 0.0

@@ -228,7 +228,8 @@ class ShapeWiring:
                                      saved_activation_bytes=self.saved_bytes,
                                      weight_op_bytes=self.weight_op_bytes,
                                      backward_temporary_bytes=held,
-                                     inline_backward_temporary_bytes=freeing)
+                                     inline_backward_temporary_bytes=freeing,
+                                     saved_covers_input=True)
         meta.update(kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
                     kept_inside_bytes=self.saved_bytes - sum(ends.values()))
         return meta

@@ -284,4 +284,5 @@ class AmoebaNetCell(base_layer.BaseLayer):
                                      saved_activation_bytes=wiring.saved_bytes,
                                      weight_op_bytes=wiring.weight_op_bytes,
                                      backward_temporary_bytes=held,
-                                     inline_backward_temporary_bytes=freeing)
+                                     inline_backward_temporary_bytes=freeing,
+                                     saved_covers_input=True)

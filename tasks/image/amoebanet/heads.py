@@ -82,7 +82,8 @@ class StemLayer(base_layer.BaseLayer):
         return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
                                      saved_activation_bytes=wiring.saved_bytes,
-                                     weight_op_bytes=wiring.weight_op_bytes)
+                                     weight_op_bytes=wiring.weight_op_bytes,
+                                     saved_covers_input=True)
 
 
 def _per_example_correct(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
@@ -277,5 +278,15 @@ class HeadLayer(base_layer.BaseLayer):
         if p.aux_weight > 0:
             out.aux_loss = scalar
             out.aux_accuracy = scalar
+        # The backward reads the ReLU's output (the cell output's size) and the dropout mask;
+        # the pool's gradient is its input's size.
+        held, freeing = wiring.backward_temporaries(features)
         return base_layer.fprop_meta(flops, out, soft_meta.num_params, tf.float32,
-                                     weight_op_bytes=soft_meta.get("weight_op_bytes"))
+                                     saved_activation_bytes=(
+                                         wiring.saved_bytes
+                                         + base_layer.saved_activation_bytes(soft_meta)),
+                                     weight_op_bytes=soft_meta.get("weight_op_bytes"),
+                                     backward_temporary_bytes=max(
+                                         held, base_layer.backward_temporary_bytes(soft_meta)),
+                                     inline_backward_temporary_bytes=freeing,
+                                     saved_covers_input=True)

@@ -66,7 +66,8 @@ class SubsampleLayer(base_layer.BaseLayer):
         meta = base_layer.fprop_meta(0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0,
                                      dtype_of(p), saved_activation_bytes=0,
                                      backward_temporary_bytes=base_layer.activation_bytes(
-                                         shape, dtype_of(p)))
+                                         shape, dtype_of(p)),
+                                     saved_covers_input=True)
         meta.update(kept_input=False, kept_output=False, kept_inside_bytes=0)  # A slice.
         return meta
 
