@@ -58,6 +58,10 @@ _LEFTOVER_RE = re.compile(r"^ckpt-\d+(_temp|\.manifest\.json\.tmp-\d+)$")
 _DATA_RE = re.compile(r"^(ckpt-\d+)\.data-\d{5}-of-\d{5}$")
 # What reading a damaged checkpoint raises: TF's DataLoss/NotFound/..., or a short read.
 _READ_ERRORS = (tf.errors.OpError, IndexError, OSError, EOFError)
+# TensorFlow's error restoring a weight-sized Adam step count `t` into today's scalar one.
+_OLD_ADAM_STEP_COUNT = re.compile(
+    r"incompatible tensor with shape \([^)]+\) when attempting to restore variable with "
+    r"shape \(\) and name \S+\.t:0")
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -412,6 +416,12 @@ class Checkpointer:
             status.assert_existing_objects_matched()
         except (AssertionError, ValueError) as e:
             first = str(e).strip().splitlines()[0][:300]
+            if _OLD_ADAM_STEP_COUNT.search(str(e)):
+                raise CheckpointMismatchError(
+                    f"Checkpoint {path} keeps Adam's step count per weight element, as "
+                    "lingvo-lite did before its optimizers updated weights in place "
+                    "(2026-11-25); this version keeps one per weight and cannot resume it. Use "
+                    "a new --logdir, or the lingvo-lite version that wrote it.", first) from None
             raise CheckpointMismatchError(
                 f"Checkpoint {path} does not match this model ({first}). Were the model params "
                 "changed? Use a new --logdir, or the params the run was started with "
