@@ -163,10 +163,7 @@ def optimizer_slots(optimizer_params: Any) -> int:
     """
     if optimizer_params is None:
         return 0
-    cls = optimizer_params.cls
-    optimizer = cls.__new__(cls)
-    optimizer.params = optimizer_params
-    return optimizer.weight_sized_slots()
+    return optimizer_params.Instantiate().weight_sized_slots()  # Creates no variable.
 
 
 @dataclasses.dataclass(frozen=True)
