@@ -45,7 +45,8 @@ def predicted_step(work: float, shares: list[float], num_micro_batches: int,
 
 def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batches: int,
                                virtual_stages: int, remat: str,
-                               processors: int | None = None) -> float:
+                               processors: int | None = None,
+                               co_run: dict | None = None) -> float:
     """A schedule's step simulated from each cell's calls timed alone (see
     `schedules._phase_costs`), what this implementation runs per action: F is the forward
     call; a whole backward B is the backward call, or where the micro-batch kept its
@@ -56,32 +57,60 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     that add the whole update after the last action). (Results recorded before the kept pair
     was timed predict a kept B as the backward call less the forward.) `processors`: the
     host's cores when the K serial devices outnumber them (they then time-share the cores,
-    `simulator.simulate`'s `processors`); None: each device runs on a core of its own."""
+    `simulator.simulate`'s `processors`); None: each device runs on a core of its own.
+    `co_run`: each call's time beside a copy of itself over its time alone, keyed as `costs`
+    (phases, and `update_cells`): the cores' co-run slowdown (`simulator.CoRunSlowdown`);
+    needs `processors`."""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
     recomputed = remat_lib.recomputed_actions(sched, remat)
     forward = costs["forward"]
 
-    def duration(a: Action) -> float:
-        k = a.cell
+    def call_of(a: Action) -> str:
+        """Which timed call action `a` runs (a kept B: the kept pair, less its forward)."""
         if a.phase is Phase.FORWARD:
-            return forward[k]
+            return "forward"
         if a.phase is Phase.WEIGHT:
-            return costs["wgrad"][k]
+            return "wgrad"
         split = sched.splits_backward
-        call = costs["input_only" if split else "bprop"][k]
         if a in recomputed:
-            return call
-        pair = costs.get("kept_input_only" if split else "kept", [call] * len(forward))[k]
-        return max(0.0, pair - forward[k])
+            return "input_only" if split else "bprop"
+        return "kept_input_only" if split else "kept"
+
+    def duration(a: Action) -> float:
+        call = call_of(a)
+        if not call.startswith("kept"):
+            return costs[call][a.cell]
+        pair = costs.get(call, costs["input_only" if sched.splits_backward else "bprop"])
+        return max(0.0, pair[a.cell] - forward[a.cell])
 
     update = costs["update"]
     if "update_cells" in costs:
-        update = [0.0] * sched.num_devices
-        for k, cost in enumerate(costs["update_cells"]):
-            update[sched.device_of_cell(k)] += cost
+        update = per_device(sched, costs["update_cells"])
+    slowdown = None
+    if co_run is not None:
+        slowdown = simulator.CoRunSlowdown(
+            actions=lambda a: co_run[call_of(a)][a.cell],
+            updates=device_update_factors(sched, costs["update_cells"], co_run["update_cells"]))
     return simulator.simulate(sched, duration, remat=remat, update_time=update,
-                              processors=processors).step_time
+                              processors=processors, co_run_slowdown=slowdown).step_time
+
+
+def per_device(sched: schedule.Schedule, per_cell: list[float]) -> list[float]:
+    """Per-cell figures summed over each device's cells."""
+    totals = [0.0] * sched.num_devices
+    for k, value in enumerate(per_cell):
+        totals[sched.device_of_cell(k)] += value
+    return totals
+
+
+def device_update_factors(sched: schedule.Schedule, update_cells: list[float],
+                          factors: list[float]) -> list[float]:
+    """Each device's update co-run factor: its cells' updates run one after the other, so
+    their factors weighted by each update's time."""
+    work = per_device(sched, update_cells)
+    slowed = per_device(sched, [c * f for c, f in zip(update_cells, factors)])
+    return [s / w if w else 1.0 for s, w in zip(slowed, work)]
 
 
 def render(serial: dict, partition_report: str

@@ -253,6 +253,71 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         if processors == 1:
             self.assertAlmostEqual(step.step_time, work)
 
+    def test_co_run_slowdown_by_hand(self):
+        # K=2, T=2, gpipe, forward 1 and backward 2, two processors, every action 1.5x slower
+        # while the other processor is busy. F00 [0, 1] alone; F01 and F10 side by side, 1 of
+        # work each at 1/1.5: [1, 2.5]; F11 [2.5, 3.5] and B11 [3.5, 5.5] alone; B01 and B10
+        # 2 each at 1/1.5: [5.5, 8.5]; B00 [8.5, 10.5] alone.
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
+        slowdown = simulator.CoRunSlowdown(actions=lambda a: 1.5)
+        step = simulator.simulate(sched, costs, remat="never", processors=2,
+                                  co_run_slowdown=slowdown)
+        expected = {"F(k=0,t=0)": (0, 1), "F(k=0,t=1)": (1, 2.5), "F(k=1,t=0)": (1, 2.5),
+                    "F(k=1,t=1)": (2.5, 3.5), "B(k=1,t=1)": (3.5, 5.5),
+                    "B(k=0,t=1)": (5.5, 8.5), "B(k=1,t=0)": (5.5, 8.5),
+                    "B(k=0,t=0)": (8.5, 10.5)}
+        self.assertEqual(expected.keys(), {str(a) for a in step.start})
+        for a in step.start:
+            self.assertAlmostEqual(expected[str(a)][0], step.start[a])
+            self.assertAlmostEqual(expected[str(a)][1], step.end[a])
+        # Only the forwards slow down (2x): F01 and F10 [1, 3]; the backwards side by side
+        # at full speed: B01 and B10 [6, 8]; step 10.
+        forwards_only = simulator.CoRunSlowdown(
+            actions=lambda a: 2.0 if a.phase is schedule.Phase.FORWARD else 1.0)
+        step = simulator.simulate(sched, costs, remat="never", processors=2,
+                                  co_run_slowdown=forwards_only)
+        self.assertAlmostEqual(10.0, step.step_time)
+        # Updates of 1 each; device 1's 3x slower beside another job. After B10 ends at 8.5,
+        # device 1 updates beside B00: the update at 1/3 and B00 at 1/1.5 both end at 11.5;
+        # device 0's update then runs alone: [11.5, 12.5].
+        with_updates = simulator.simulate(
+            sched, costs, remat="never", processors=2, update_time=[1.0, 1.0],
+            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(2.0, 3.0)))
+        self.assertAlmostEqual(12.5, with_updates.step_time)
+        self.assertAlmostEqual(11.5, with_updates.pipeline_time)
+
+    def test_co_run_slowdown_grows_with_busy_processors(self):
+        slowdown = simulator.CoRunSlowdown(actions=lambda a: 1.25, updates=(1.5, 0.5))
+        action = schedule.Action(schedule.Phase.FORWARD, 0, 0)
+        self.assertEqual([1.0, 1.25, 1.5, 1.75],
+                         [slowdown.factor(action, 0, busy) for busy in (1, 2, 3, 4)])
+        self.assertEqual(2.0, slowdown.factor(None, 0, 3))
+        self.assertEqual(1.0, slowdown.factor(None, 1, 3))  # Never faster than alone.
+
+    @parameterized.parameters("gpipe", "1f1b", "zero_bubble")
+    def test_no_co_run_slowdown_changes_nothing(self, name):
+        sched = schedule.make_schedule(name, 4, 8)
+        rng = np.random.default_rng(2)
+        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)))
+        for processors in (2, 4):
+            plain = simulator.simulate(sched, costs, processors=processors)
+            ones = simulator.simulate(sched, costs, processors=processors,
+                                      co_run_slowdown=simulator.CoRunSlowdown(lambda a: 1.0))
+            self.assertAlmostEqual(plain.step_time, ones.step_time)
+            for a in plain.start:
+                self.assertAlmostEqual(plain.end[a], ones.end[a])
+
+    def test_co_run_slowdown_is_checked(self):
+        sched = schedule.make_schedule("gpipe", 2, 2)
+        costs = simulator.PhaseCosts.uniform(2, 1.0, 2.0)
+        with self.assertRaisesRegex(ValueError, "co_run_slowdown needs processors="):
+            simulator.simulate(sched, costs,
+                               co_run_slowdown=simulator.CoRunSlowdown(lambda a: 1.5))
+        with self.assertRaisesRegex(ValueError, "co_run_slowdown has 3 update factors"):
+            simulator.simulate(sched, costs, processors=2, co_run_slowdown=simulator.CoRunSlowdown(
+                lambda a: 1.5, updates=(1.0, 1.0, 1.0)))
+
     def test_zero_processors_are_refused(self):
         sched = schedule.make_schedule("gpipe", 2, 2)
         with self.assertRaisesRegex(ValueError, "processors=0"):

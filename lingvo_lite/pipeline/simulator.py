@@ -13,7 +13,10 @@ and measurement read the same way.
 It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
 micro-batches take seconds. Devices that time-share fewer processors than there are devices
 (K logical CPU devices on a host's cores) are replayed event by event with `processors=`:
-n > processors running actions each progress at processors / n of their speed.
+n > processors running actions each progress at processors / n of their speed. Processors that
+share one memory system slow each other down; `CoRunSlowdown` says by how much each action
+runs slower while another processor is busy (measured, e.g., by timing a call beside a copy of
+itself).
 
 >>> from lingvo_lite.pipeline import schedule, simulator
 >>> gpipe = schedule.make_schedule("gpipe", 4, 8)
@@ -100,6 +103,32 @@ class PhaseCosts:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoRunSlowdown:
+    """How much longer each job takes while it shares the host with others.
+
+    Processors on one host share its memory bandwidth and caches: a memory-bound job (a
+    weight-sized gradient written for a few rows) can take 1.4x its time alone while the
+    other core runs one like it, where a compute-bound one takes 1.0x (BENCHMARKS.md 12c).
+    `actions(a)` is action a's factor with one other processor busy (its duration beside a
+    copy of itself over its duration alone), `updates[d]` that of device d's update; with
+    b busy processors a job runs at 1 / (1 + (factor - 1) x (b - 1)) of its speed (each
+    further busy processor adds as much pressure as the first). Accelerators with memory of
+    their own have none: leave it out.
+    """
+
+    actions: Callable[[Action], float]
+    updates: Sequence[float] = ()
+
+    def factor(self, job: Action | None, device: int, busy: int) -> float:
+        """The slowdown of `job` (None: `device`'s update) with `busy` processors busy."""
+        if job is None:
+            base = self.updates[device] if self.updates else 1.0
+        else:
+            base = self.actions(job)
+        return 1.0 + max(0.0, base - 1.0) * max(0, busy - 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class SimulatedStep:
     """The replayed step: when each action ran on its device, and what that adds up to."""
 
@@ -171,7 +200,8 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
              remat: str = "except_last", transfer: float | None = None,
              setup_time: float = 0.0,
              update_time: float | Sequence[float] = 0.0,
-             processors: int | None = None) -> SimulatedStep:
+             processors: int | None = None,
+             co_run_slowdown: CoRunSlowdown | None = None) -> SimulatedStep:
     """Replays `sched` with the given durations.
 
     Args:
@@ -192,6 +222,8 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         actions running, each runs at processors / n of its speed (the cores are time-shared
         equally); durations are each action's time running alone. The per-device updates share
         the processors too.
+      co_run_slowdown: how much slower jobs run while other processors are busy (processors
+        sharing a memory system); needs `processors`.
     """
     recomputed = remat_lib.recomputed_actions(sched, remat)
     if isinstance(costs, PhaseCosts):
@@ -227,10 +259,18 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
     if per_device_update is not None and len(per_device_update) != sched.num_devices:
         raise ValueError(f"update_time has {len(per_device_update)} per-device times, the "
                          f"schedule {sched.num_devices} devices.")
-    if processors is not None and processors < sched.num_devices:
+    if co_run_slowdown is not None:
+        if processors is None:
+            raise ValueError("co_run_slowdown needs processors= (how many jobs share the host "
+                             "at full speed).")
+        if co_run_slowdown.updates and len(co_run_slowdown.updates) != sched.num_devices:
+            raise ValueError(f"co_run_slowdown has {len(co_run_slowdown.updates)} update "
+                             f"factors, the schedule {sched.num_devices} devices.")
+    if processors is not None and (processors < sched.num_devices
+                                   or co_run_slowdown is not None):
         start, end, device_free = _replay_on_shared_processors(
             sched, duration, transfer, setup_time,
-            per_device_update or [0.0] * sched.num_devices, processors)
+            per_device_update or [0.0] * sched.num_devices, processors, co_run_slowdown)
     else:
         start, end, device_free = {}, {}, [setup_time] * sched.num_devices
         device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
@@ -268,15 +308,17 @@ def _inputs_ready(action: Action, end: dict[Action, float], transfer: float,
 
 def _replay_on_shared_processors(sched: schedule_lib.Schedule,
                                  duration: Callable[[Action], float], transfer: float,
-                                 setup_time: float, update: Sequence[float], processors: int
+                                 setup_time: float, update: Sequence[float], processors: int,
+                                 slowdown: CoRunSlowdown | None = None
                                  ) -> tuple[dict[Action, float], dict[Action, float], list[float]]:
     """`simulate`'s replay when devices time-share `processors` cores (processor sharing).
 
     Event by event: at each instant, the running actions (at most one per device) each
-    progress at min(1, processors / running) of their speed; the next event is the first
-    completion or the first moment a waiting action's inputs are ready. After its last action,
-    a device runs its update (`update[device]`), which also takes its share. Returns each
-    action's start and end, and when each device finished its update.
+    progress at min(1, processors / running) of their speed, divided by their `slowdown`
+    factor for the processors busy; the next event is the first completion or the first
+    moment a waiting action's inputs are ready. After its last action, a device runs its
+    update (`update[device]`), which also takes its share. Returns each action's start and
+    end, and when each device finished its update.
     """
     num_devices = sched.num_devices
     orders = sched.device_orders()
@@ -313,14 +355,18 @@ def _replay_on_shared_processors(sched: schedule_lib.Schedule,
                     running[dev] = [None, update[dev]]
             else:
                 waiting[dev] = ready
-        rate = min(1.0, processors / len(running)) if running else 1.0
+        share = min(1.0, processors / len(running)) if running else 1.0
+        busy = min(len(running), processors)
+        rate = {dev: share / (slowdown.factor(job[0], dev, busy) if slowdown else 1.0)
+                for dev, job in running.items()}
         next_event = min(list(waiting.values())
-                         + [now + job[1] / rate for job in running.values()], default=None)
+                         + [now + job[1] / rate[dev] for dev, job in running.items()],
+                         default=None)
         if next_event is None:
             raise RuntimeError(f"{sched!r}: the replay found no action that can run.")
         for dev in list(running):
             job = running[dev]
-            job[1] -= (next_event - now) * rate
+            job[1] -= (next_event - now) * rate[dev]
             if job[1] <= 1e-12 * max(1.0, next_event):
                 del running[dev]
                 finished[dev] = next_event
@@ -383,4 +429,4 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
     return Prediction(step=step, one_device_time=(1.0 + backward_ratio) * sum(layer_costs))
 
 
-__all__ = ["PhaseCosts", "SimulatedStep", "simulate", "Prediction", "predict"]
+__all__ = ["PhaseCosts", "CoRunSlowdown", "SimulatedStep", "simulate", "Prediction", "predict"]

@@ -1,0 +1,51 @@
+"""bench/time_model.py: a schedule's step from each cell's timed calls, worked out by hand."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl.testing import absltest
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import time_model  # noqa: E402
+
+# K=2 cells, forward 1; a re-computing backward call 3 (its forward re-run included); a kept
+# micro-batch's forward-and-backward pair 3, so its B is 2; each cell's update 1.
+COSTS = {"forward": [1.0, 1.0], "bprop": [3.0, 3.0], "kept": [3.0, 3.0],
+         "input_only": [2.0, 2.0], "kept_input_only": [2.5, 2.5], "wgrad": [1.0, 1.0],
+         "update": 2.0, "update_cells": [1.0, 1.0]}
+
+
+class PredictedFromPhaseCostsTest(absltest.TestCase):
+
+    def test_devices_alone(self):
+        # gpipe, T=2, remat except_last (micro-batch 1 keeps its activations): F00 [0, 1];
+        # F01 and F10 [1, 2]; F11 [2, 3]; B11 kept [3, 5]; B10 re-computes [5, 8] beside B01
+        # kept [5, 7]; B00 [8, 11]; device 1 updates [8, 9], device 0 [11, 12].
+        self.assertAlmostEqual(12.0, time_model.predicted_from_phase_costs(
+            COSTS, "gpipe", 2, 1, "except_last"))
+
+    def test_co_run_slowdown_of_each_call(self):
+        # Two processors; beside another job the forward runs 2x slower, the kept pair 1.5x,
+        # the re-computing call 2x, device 0's update not at all, device 1's 3x. F00 [0, 1];
+        # F01 and F10 side by side [1, 3]; F11 [3, 4]; B11 [4, 6]; from 6, B01 (2 of work at
+        # 1/1.5) and B10 (3 at 1/2): B01 ends at 9, B10's last 1.5 alone [9, 10.5]; from 10.5
+        # B00 (3 at 1/2) beside device 1's update (1 at 1/3): both busy until 13.5, then
+        # B00's last 1.5 alone until 15; device 0's update [15, 16].
+        co_run = {"forward": [2.0, 2.0], "kept": [1.5, 1.5], "bprop": [2.0, 2.0],
+                  "update_cells": [1.0, 3.0]}
+        self.assertAlmostEqual(16.0, time_model.predicted_from_phase_costs(
+            COSTS, "gpipe", 2, 1, "except_last", processors=2, co_run=co_run))
+
+    def test_a_device_update_factor_weighs_its_cells_updates(self):
+        # Interleaved, 4 cells on 2 devices: device 0 updates cells 0 and 2 (1 and 3 of
+        # work, factors 1 and 3: (1 + 9) / 4), device 1 cells 1 and 3 (2 and 0, 2 and 5).
+        sched = time_model.schedule.make_schedule("interleaved", 4, 2, 2)
+        self.assertEqual([2.5, 2.0], time_model.device_update_factors(
+            sched, [1.0, 2.0, 3.0, 0.0], [1.0, 2.0, 3.0, 5.0]))
+
+if __name__ == "__main__":
+    absltest.main()
