@@ -139,6 +139,7 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                weight_op_bytes: int | None = None,
                backward_temporary_bytes: int | None = None,
                inline_backward_temporary_bytes: int | None = None,
+               deferring_backward_temporary_bytes: int | None = None,
                saved_covers_input: bool = False) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
@@ -167,6 +168,9 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         activations when each is freed as soon as the backward has passed its last reader
         (an inline backward, or a re-computing one that does not defer weight gradients);
         None: `backward_temporary_bytes`, as if all stayed until the end.
+      deferring_backward_temporary_bytes: the same for an inline backward that defers its
+        weight gradients (zero-bubble's B of a micro-batch that kept its activations): the
+        records of the sub-layers it has passed stay until W. None: the inline figure.
       saved_covers_input: True when `saved_activation_bytes` lists exactly the tensors the
         layer's gradients read, its input included where they read it (attention, AmoebaNet
         cells): nothing else need hold the input for its backward. False (the default
@@ -192,6 +196,8 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         meta.backward_temporary_bytes = int(backward_temporary_bytes)
     if inline_backward_temporary_bytes is not None:
         meta.inline_backward_temporary_bytes = int(inline_backward_temporary_bytes)
+    if deferring_backward_temporary_bytes is not None:
+        meta.deferring_backward_temporary_bytes = int(deferring_backward_temporary_bytes)
     if saved_covers_input:
         meta.saved_covers_input = True
     return meta
@@ -236,11 +242,54 @@ def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
     return total
 
 
+def deferring_backward_temporary_bytes(metas: Sequence[NestedMap]) -> int:
+    """The most a chain of `metas`' layers holds beyond its saved activations while an
+    inline backward that defers weight gradients passes it: back-propagating through layer
+    i, its own temporaries (as deferring, else held), plus what the layers after i, already
+    passed, keep for W beyond what they saved (their output gradients: a matmul's input is
+    saved, its output's gradient is not; an undeclared layer with weights: its output).
+
+    >>> a = fprop_meta(0, tf.TensorShape([8, 4]), num_params=16, weight_op_bytes=256,
+    ...                saved_activation_bytes=128, backward_temporary_bytes=100)
+    >>> deferring_backward_temporary_bytes([a, a])  # Through the first: 100 + (256 - 128).
+    228
+    """
+    worst, passed = 0, 0
+    for m in reversed(metas):
+        own = m.get("deferring_backward_temporary_bytes")
+        worst = max(worst, (backward_temporary_bytes(m) if own is None else int(own)) + passed)
+        if int(m.num_params) > int(m.get("non_trainable_params", 0)):
+            deferred = m.get("weight_op_bytes")
+            passed += (int(m.out_bytes) if deferred is None
+                       else max(0, int(deferred) - saved_activation_bytes(m)))
+    return worst
+
+
+def wrapped_memory(meta: NestedMap) -> dict[str, Any]:
+    """The memory arguments of `fprop_meta` for a layer that runs one sub-layer and adds
+    nothing (e.g. one that picks its input from a NestedMap): the sub-layer's declarations.
+
+    >>> sub = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=64,
+    ...                  inline_backward_temporary_bytes=32)
+    >>> wrapped_memory(sub)["inline_backward_temporary_bytes"]
+    32
+    """
+    return dict(saved_activation_bytes=saved_activation_bytes(meta),
+                weight_op_bytes=meta.get("weight_op_bytes"),
+                backward_temporary_bytes=backward_temporary_bytes(meta),
+                inline_backward_temporary_bytes=meta.get("inline_backward_temporary_bytes"),
+                deferring_backward_temporary_bytes=meta.get(
+                    "deferring_backward_temporary_bytes"),
+                saved_covers_input=saved_covers_input(meta))
+
+
 def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[str, Any]:
     """The memory arguments of `fprop_meta` for a layer that runs `metas`' layers one after
     another: it keeps what they keep (plus `saved_extra` bytes of its own), defers what they
     defer, its gradient temporaries are its largest child's (it back-propagates through one
-    child after another), and its saved bytes cover its input when its first child's do.
+    child after another; deferring, beside the records of the children it passed:
+    `deferring_backward_temporary_bytes`), and its saved bytes cover its input when its first
+    child's do.
 
     >>> a = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
     >>> b = fprop_meta(0, tf.TensorShape([8, 4]))  # Saves its output, 128 bytes.
@@ -252,6 +301,7 @@ def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[s
         saved_activation_bytes=saved_extra + sum(saved_activation_bytes(m) for m in metas),
         weight_op_bytes=weight_op_bytes(metas),
         backward_temporary_bytes=max(map(backward_temporary_bytes, metas), default=None),
+        deferring_backward_temporary_bytes=deferring_backward_temporary_bytes(metas),
         saved_covers_input=bool(metas) and saved_covers_input(metas[0]))
 
 

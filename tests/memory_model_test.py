@@ -173,6 +173,23 @@ def test_zero_bubble_holds_records_from_b_until_w():
                                       "never")[1].kept_activations == 1000
 
 
+def test_a_deferring_inline_backward_holds_the_records_of_passed_sub_layers():
+    # As above, but layer 3 (a composite) declares that its deferring backward holds 2,000 B
+    # beyond its saved activations (its sub-layers' records), 500 per micro-batch instead of
+    # its 400 of temporaries: B1 back-propagating through it holds both layers' saved 800,
+    # its 500 and the output gradient 200: working set 1500 - 800 kept.
+    layers = [dataclasses.replace(LAYER, deferred_bytes=1200)] * 3 + [
+        dataclasses.replace(LAYER, deferred_bytes=1200, deferring_temporary_bytes=2000)]
+    zero_bubble = schedule.make_schedule("zero_bubble", 2, 4)
+    mem = memory_model.device_memory(_two_cells(), layers, 800, zero_bubble, "never")[1]
+    assert mem.peak_action == schedule.Action(schedule.Phase.BACKWARD, 1, 1)
+    assert (mem.kept_activations, mem.working_activations) == (1000 + 600, 700)
+    # A backward that does not defer frees them: 1F1B keeps the inline 400.
+    one_f_one_b = schedule.make_schedule("1f1b", 2, 4)
+    mem = memory_model.device_memory(_two_cells(), layers, 800, one_f_one_b, "never")[1]
+    assert mem.working_activations == 600
+
+
 def test_batched_weight_gradients_hold_every_records_until_the_cells_w():
     # GPipe, T = 4, weight_gradients='batched': after B0 (the last backward) all four
     # micro-batches' records (4 x 600) wait, and the W concatenates them (one more copy).

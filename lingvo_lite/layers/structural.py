@@ -84,11 +84,7 @@ class FieldLayer(base_layer.BaseLayer):
         out.Set(p.output_field or p.field, meta.out_shapes[0])
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta),
-                                     weight_op_bytes=meta.get("weight_op_bytes"),
-                                     backward_temporary_bytes=base_layer.backward_temporary_bytes(
-                                         meta),
-                                     saved_covers_input=base_layer.saved_covers_input(meta))
+                                     **base_layer.wrapped_memory(meta))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -158,8 +154,4 @@ class FieldsLayer(base_layer.BaseLayer):
             out.Set(p.output_field, stored)
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     saved_activation_bytes=base_layer.saved_activation_bytes(meta),
-                                     weight_op_bytes=meta.get("weight_op_bytes"),
-                                     backward_temporary_bytes=base_layer.backward_temporary_bytes(
-                                         meta),
-                                     saved_covers_input=base_layer.saved_covers_input(meta))
+                                     **base_layer.wrapped_memory(meta))

@@ -49,8 +49,9 @@ whose device walks the actions of all of them in its own order):
   output gradient (`LayerMemory.deferred_bytes`: the layer's declared `weight_op_bytes`, else
   its saved activations and output for a layer with trainable weights, an upper estimate).
   While a kept micro-batch's inline backward runs, the records of the layers it has passed pile
-  up beside the activations not yet freed; a re-computing call holds them among what it
-  re-computed. The batched W concatenates all T micro-batches' records, one more copy
+  up beside the activations not yet freed, inside a composite layer too (its sub-layers'
+  output gradients: `LayerMemory.deferring_temporaries`); a re-computing call holds them
+  among what it re-computed. The batched W concatenates all T micro-batches' records, one more copy
   while it runs.
 
 Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
@@ -117,6 +118,9 @@ class LayerMemory:
     # Its backward's most beyond its saved activations when it frees each as soon as its last
     # reader is back-propagated (an inline backward); None: `temporaries`.
     inline_temporary_bytes: int | None = None
+    # The same for an inline backward that defers weight gradients (the records of the
+    # sub-layers it passed stay); None: `inline_temporaries`.
+    deferring_temporary_bytes: int | None = None
     # saved_bytes already counts what its backward reads of its input
     # (`base_layer.saved_covers_input`); False: its input is the previous layer's output.
     saved_covers_input: bool = False
@@ -132,6 +136,12 @@ class LayerMemory:
         if self.inline_temporary_bytes is not None:
             return self.inline_temporary_bytes
         return self.temporaries
+
+    @property
+    def deferring_temporaries(self) -> int:
+        if self.deferring_temporary_bytes is not None:
+            return self.deferring_temporary_bytes
+        return self.inline_temporaries
 
 
 def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list[LayerMemory]:
@@ -150,6 +160,8 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
                                backward_temporary_bytes=m.get("backward_temporary_bytes"),
                                deferred_bytes=int(deferred),
                                inline_temporary_bytes=m.get("inline_backward_temporary_bytes"),
+                               deferring_temporary_bytes=m.get(
+                                   "deferring_backward_temporary_bytes"),
                                saved_covers_input=base_layer.saved_covers_input(m)))
     return out
 
@@ -221,7 +233,8 @@ def _cell_activations(k: int, cell: Sequence[LayerMemory], boundary_in_bytes: in
     backward_work = 0.0
     below, after = saved, 0.0
     for m in reversed(cell):
-        backward_work = max(backward_work, below + m.inline_temporaries / num_micro + after)
+        temporaries = m.deferring_temporaries if defer else m.inline_temporaries
+        backward_work = max(backward_work, below + temporaries / num_micro + after)
         below -= m.saved_bytes / num_micro
         after += m.deferred_bytes / num_micro if defer else 0.0
     largest_temporaries = max((m.temporaries for m in cell), default=0) / num_micro
