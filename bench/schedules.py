@@ -17,7 +17,10 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   measured on its own (every cell's forward, backward, input-only and weight-gradient calls,
   and the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
   size, on its serial device, chained in one step as many times as a pipeline step runs
-  them) plus the optimizer's update.
+  them) plus the optimizer's update. Each of those calls is also timed beside a copy of
+  itself on another device (`--no_co_run` skips it): the ratio is its co-run slowdown, how
+  much longer it takes while another core is busy (the cores share the host's memory
+  bandwidth; `simulator.CoRunSlowdown`), and the rows show the model with and without it.
 - `weight_heavy`: 4 dense 2048x2048 layers on a batch of 64, gpipe with per-micro-batch vs batched
   weight gradients, against naive model parallelism, on serial devices and on the shared pool.
 
@@ -216,6 +219,16 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     return calls
 
 
+def _side_by_side(fn, twin):
+    """One step running `fn` and `twin` (the same calls on other devices) at once."""
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def both(x):
+        return fn(x) + twin(x)
+    return both
+
+
 def fig_speedup(args: argparse.Namespace) -> dict:
     from lingvo_lite.pipeline import schedule
 
@@ -240,22 +253,40 @@ def fig_speedup(args: argparse.Namespace) -> dict:
     # The time model's inputs, timed in the same interleaved rounds as the steps: the cells of
     # each partition (K x v cells) alone at each micro-batch size; schedules with the same
     # cells share them.
+    # Each call is also timed beside a copy of itself (a twin pipeline whose cell c sits on
+    # the next device): how much slower it runs while another core is busy, the time model's
+    # co-run slowdown (cores share the host's memory bandwidth).
     groups = sorted({(k * m["v"], m["T"]) for m in meta.values()})
     for cells, t in groups:
         pipe = bench_lib.make_pipeline(layers, shapes, cells, t, remat, serial_devices=True)
-        for name, fn in _phase_calls(pipe, batch, t).items():
+        calls = _phase_calls(pipe, batch, t)
+        if args.co_run:
+            devices = [f"/device:CPU:{(c + 1) % cells}" for c in range(cells)]
+            twin = _phase_calls(bench_lib.make_pipeline(
+                layers, shapes, cells, t, remat, serial_devices=True, placement=devices),
+                batch, t)
+        for name, fn in calls.items():
             steps[f"phase_K{cells}_T{t}_{name}"] = (fn, batch)
+            if args.co_run and name != "update":  # The model updates cell by cell.
+                steps[f"pair_K{cells}_T{t}_{name}"] = (_side_by_side(fn, twin[name]), batch)
     samples = bench_lib.interleaved(steps, args.rounds, args.iters)
     for m in meta.values():
-        cells, prefix = k * m["v"], f"phase_K{k * m['v']}_T{m['T']}_"
+        cells, group = k * m["v"], f"K{k * m['v']}_T{m['T']}_"
 
-        def cost(name: str, prefix: str = prefix) -> float:
-            return bench_lib.median(samples[prefix + name])
+        def cost(name: str, group: str = group) -> float:
+            return bench_lib.median(samples[f"phase_{group}{name}"])
+
+        def co_run(name: str, group: str = group) -> float:
+            return bench_lib.median(samples[f"pair_{group}{name}"]) / cost(name)
 
         m["phase_costs"] = {kind: [cost(f"{kind}_{c}") / chain_length(kind, m["T"])
                                    for c in range(cells)] for kind in PHASES}
         m["phase_costs"]["update"] = cost("update")
         m["phase_costs"]["update_cells"] = [cost(f"update_cell_{c}") for c in range(cells)]
+        if args.co_run:
+            m["co_run"] = {kind: [co_run(f"{kind}_{c}") for c in range(cells)]
+                           for kind in PHASES}
+            m["co_run"]["update_cells"] = [co_run(f"update_cell_{c}") for c in range(cells)]
     # TensorFlow's single-threaded executor (serial devices) emits no per-op profiler events,
     # so the idle time is measured on the shared-pool variant of each configuration.
     for key, m in meta.items():
@@ -293,6 +324,7 @@ def _run_worker(figure: str, args: argparse.Namespace, **extra) -> dict:
            f"--devices={args.devices}", f"--rounds={args.rounds}", f"--iters={args.iters}",
            "--micro_batches=" + ",".join(str(t) for t in args.micro_batches)]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--no_co_run"] if args.no_co_run else []
     cmd += [f"--{name}={value}" for name, value in extra.items()]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -301,42 +333,55 @@ def _run_worker(figure: str, args: argparse.Namespace, **extra) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _predicted(result: dict, key: str) -> float | None:
-    """The time model's step for configuration `key`, from its cells' measured call times."""
+def _predicted(result: dict, key: str, co_run: bool = True) -> float | None:
+    """The time model's step for configuration `key`, from its cells' measured call times;
+    with `co_run`, each call slowed by its measured co-run factor while another core is busy
+    (results measured without them: None)."""
     import time_model
 
     m = result["meta"].get(key)
-    if not m or "phase_costs" not in m:
+    if not m or "phase_costs" not in m or (co_run and "co_run" not in m):
         return None
     processors = result.get("processors")
+    if not co_run and not (processors and processors < result["devices"]):
+        processors = None  # Each device on a core of its own.
     return time_model.predicted_from_phase_costs(
-        m["phase_costs"], m["schedule"], m["T"], m["v"], REMAT,
-        processors if processors and processors < result["devices"] else None)
+        m["phase_costs"], m["schedule"], m["T"], m["v"], REMAT, processors,
+        m["co_run"] if co_run else None)
 
 
 def _speedup_table(result: dict) -> list[str]:
-    """The speedup table, with the time model's prediction (issue 16) for every row."""
+    """The speedup table, with the time model's prediction (issue 16) for every row: with
+    the cores' co-run slowdown where it was measured, and without it."""
     naive = result["median_s"]["naive"]
+    variants = (True, False) if "co_run" in result["meta"]["naive"] else (False,)
 
     def model_columns(key: str, step: float) -> str:
-        predicted = _predicted(result, key)
-        if predicted is None:
-            return "| |"
-        return f"| {predicted * 1e3:.0f} ms | {predicted / step - 1:+.1%} |"
+        cells = []
+        for co_run in variants:
+            predicted = _predicted(result, key, co_run)
+            cells += (["", ""] if predicted is None else
+                      [f"{predicted * 1e3:.0f} ms", f"{predicted / step - 1:+.1%}"])
+        return "| " + " | ".join(cells) + " |"
 
     processors = result.get("processors")
     shared = (f", time-sharing {processors} cores" if processors
               and processors < result["devices"] else "")
+    model_heads = " | ".join(
+        (f"time model{' (co-run slowdown)' if co_run else ''} | its error"
+         if len(variants) == 1 or co_run else "without co-run slowdown | its error")
+        for co_run in variants)
     lines = [f"### {result['model']} (K={result['devices']} devices, serial{shared})", "",
              "| schedule | T | median step | speedup vs naive MP | measured mean idle "
-             "(shared pool) | theoretical bubble | time model | its error |",
-             "|---|---|---|---|---|---|---|---|",
+             f"(shared pool) | theoretical bubble | {model_heads} |",
+             "|---|---|---|---|---|---|" + "---|---|" * len(variants),
              f"| naive MP (gpipe, T=1) | 1 | {naive * 1e3:.0f} ms | 1.00x | | "
              + model_columns("naive", naive)]
-    errors = {}
-    predicted_naive = _predicted(result, "naive")
-    if predicted_naive is not None:
-        errors[("naive MP", 1)] = predicted_naive / naive - 1
+    errors = {co_run: {} for co_run in variants}
+    for co_run in variants:
+        predicted_naive = _predicted(result, "naive", co_run)
+        if predicted_naive is not None:
+            errors[co_run][("naive MP", 1)] = predicted_naive / naive - 1
     for key, m in result["meta"].items():
         if key == "naive":
             continue
@@ -345,18 +390,28 @@ def _speedup_table(result: dict) -> list[str]:
         lines.append(f"| {name} | {m['T']} | {step * 1e3:.0f} ms | {naive / step:.2f}x | "
                      f"{100 * m['idle']:.0f}% | {100 * m['theory']:.0f}% "
                      + model_columns(key, step))
-        predicted = _predicted(result, key)
-        if predicted is not None:
-            errors[(m["schedule"], m["T"])] = predicted / step - 1
-    if errors:
-        worst = max(errors.items(), key=lambda kv: abs(kv[1]))
-        issue_ts = sorted({t for _, t in errors} & {1, 4, 8})
-        at_issue_t = [abs(e) for (_, t), e in errors.items() if t in issue_ts]
-        lines += ["", f"Time model: worst error {worst[1]:+.1%} ({worst[0][0]}, T={worst[0][1]})"
-                  + (f"; worst at T in {{{', '.join(map(str, issue_ts))}}} (issue 16's T): "
-                     f"{max(at_issue_t):.1%}" if at_issue_t else "")
-                  + " (issue 16: within 15%)."]
+        for co_run in variants:
+            predicted = _predicted(result, key, co_run)
+            if predicted is not None:
+                errors[co_run][(name, m["T"])] = predicted / step - 1
+    lines.append("")
+    for co_run in variants:
+        if errors[co_run]:
+            label = ("Time model" if len(variants) == 1 else
+                     "Time model with co-run slowdown" if co_run else "Without it")
+            lines.append(_worst_error_line(label, errors[co_run]))
     return lines
+
+
+def _worst_error_line(label: str, errors: dict) -> str:
+    worst = max(errors.items(), key=lambda kv: abs(kv[1]))
+    issue_ts = sorted({t for _, t in errors} & {1, 4, 8})
+    at_issue_t = [abs(e) for (_, t), e in errors.items() if t in issue_ts]
+    within = sum(abs(e) <= 0.15 for (_, t), e in errors.items() if t in issue_ts)
+    return (f"{label}: worst error {worst[1]:+.1%} ({worst[0][0]}, T={worst[0][1]})"
+            + (f"; at T in {{{', '.join(map(str, issue_ts))}}} (issue 16's T): worst "
+               f"{max(at_issue_t):.1%}, {within} of {len(at_issue_t)} within 15%"
+               if at_issue_t else "") + " (issue 16: within 15%).")
 
 
 def _weight_heavy_table(result: dict, micro_batches: list[int]) -> list[str]:
@@ -375,6 +430,18 @@ def _weight_heavy_table(result: dict, micro_batches: list[int]) -> list[str]:
     return lines
 
 
+def _save_measurements(name: str, results: list[dict], source: str | None) -> None:
+    """Keeps a recorded run's measurements beside its section, so the time model can be
+    re-rendered from them (`--from_json`)."""
+    import report
+
+    path = os.path.join(report.SEPARATE_DIR, f"{name}.json")
+    if source and os.path.abspath(source) == os.path.abspath(path):
+        return
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -387,9 +454,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no_weight_heavy", action="store_true",
                         help="Skip the weight_heavy figure (per-micro-batch vs batched).")
+    parser.add_argument("--no_co_run", action="store_true",
+                        help="Skip timing each call beside a copy of itself (the time model's "
+                        "co-run slowdown).")
     parser.add_argument("--record", action="store_true",
-                        help="Write the tables into BENCHMARKS.md (bench/separate/).")
+                        help="Write the tables into BENCHMARKS.md (bench/separate/), the "
+                        "measurements beside them (.json).")
+    parser.add_argument("--from_json", default=None,
+                        help="Render (and with --record, record) the tables from a recorded "
+                        "run's measurements instead of measuring.")
     args = parser.parse_args()
+    args.co_run = not args.no_co_run
     args.micro_batches = [int(t) for t in str(args.micro_batches).split(",")]
     if args.worker:
         bench_lib.setup(args.devices * 2, 1, args.devices)
@@ -399,9 +474,15 @@ def main() -> None:
     if args.quick:
         args.micro_batches, args.rounds, args.iters = [2, 4], 2, 1
     lines = []
-    for model in args.models.split(","):
-        result = _run_worker("speedup", args, model=model)
-        print(json.dumps(result), flush=True)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+    else:
+        results = []
+        for model in args.models.split(","):
+            results.append(_run_worker("speedup", args, model=model))
+            print(json.dumps(results[-1]), flush=True)
+    for result in results:
         lines += _speedup_table(result) + [""]
     if not args.no_weight_heavy:
         wh_args = argparse.Namespace(**vars(args))
@@ -419,13 +500,18 @@ def main() -> None:
             f"{cores} devices run at once, so the devices time-share the cores. The time model "
             "replays each schedule with the actions' durations timed alone (as in section 12) "
             f"and `simulate(..., processors={cores})`: with n > {cores} actions running, each "
-            f"runs at {cores}/n of its speed. On hardware with a processor per device "
-            "(accelerators), processors=None and the devices run side by side. remat "
-            "'except_last', momentum SGD; naive MP = gpipe at T=1 on the same devices; "
-            "interleaved: 2 cells per device.", ""]
+            f"runs at {cores}/n of its speed. The cores share one memory system, so each "
+            "call is also timed beside a copy of itself on another device: its co-run "
+            "factor s. While two calls a and b run on the two cores, the model slows each by "
+            "1 + sqrt((s_a - 1)(s_b - 1)) (`simulator.CoRunSlowdown`); the last two columns "
+            "leave that out. On hardware "
+            "with a processor and memory per device (accelerators), processors=None and the "
+            "devices run side by side unslowed. remat 'except_last', momentum SGD; naive MP = "
+            "gpipe at T=1 on the same devices; interleaved: 2 cells per device.", ""]
         command = ("python bench/schedules.py --record --no_weight_heavy "
                    f"--devices={args.devices} --models={args.models} "
                    f"--micro_batches={','.join(map(str, args.micro_batches))}")
+        _save_measurements(f"12c_schedules_k{args.devices}", results, args.from_json)
         print(report.record_separate(
             f"12c_schedules_k{args.devices}", f"12c. Schedules at K={args.devices} on "
             f"{cores} cores: the time model with time-shared devices (issue 16)",
@@ -440,6 +526,7 @@ def main() -> None:
             "gradient, W computes the weight gradients from them (layers.weight_ops). "
             "Theoretical bubble: the schedule's unit-time timeline (every action one tick). "
             "Measured idle: profiled on the shared pool (see the script's docstring).", ""]
+        _save_measurements("12_schedules", results, args.from_json)
         print(report.record_separate("12_schedules", "12. Schedules side by side, and batched "
                                      "weight gradients (issue 14)", intro + lines,
                                      "python bench/schedules.py --record"))

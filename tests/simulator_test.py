@@ -278,22 +278,42 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         step = simulator.simulate(sched, costs, remat="never", processors=2,
                                   co_run_slowdown=forwards_only)
         self.assertAlmostEqual(10.0, step.step_time)
-        # Updates of 1 each; device 1's 3x slower beside another job. After B10 ends at 8.5,
-        # device 1 updates beside B00: the update at 1/3 and B00 at 1/1.5 both end at 11.5;
-        # device 0's update then runs alone: [11.5, 12.5].
+        # Updates of 1 each; device 1's 3x slower beside a copy of itself. After B10 ends at
+        # 8.5, device 1 updates beside B00, which slow each other by 1 + sqrt(0.5 x 2) = 2:
+        # the update [8.5, 10.5]; B00 does 1 of its 2 by then, the rest alone until 11.5;
+        # device 0's update (not slowed) then runs alone: [11.5, 12.5].
         with_updates = simulator.simulate(
             sched, costs, remat="never", processors=2, update_time=[1.0, 1.0],
-            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(2.0, 3.0)))
+            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(1.0, 3.0)))
         self.assertAlmostEqual(12.5, with_updates.step_time)
         self.assertAlmostEqual(11.5, with_updates.pipeline_time)
+        # Beside a job that does not slow down beside its copy (compute-bound), none slows:
+        # B00 [8.5, 10.5] beside device 1's update [8.5, 9.5]; device 0's update [10.5, 11.5].
+        compute_bound_update = simulator.simulate(
+            sched, costs, remat="never", processors=2, update_time=[1.0, 1.0],
+            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(1.0, 1.0)))
+        self.assertAlmostEqual(11.5, compute_bound_update.step_time)
+        self.assertAlmostEqual(10.5, compute_bound_update.pipeline_time)
 
-    def test_co_run_slowdown_grows_with_busy_processors(self):
-        slowdown = simulator.CoRunSlowdown(actions=lambda a: 1.25, updates=(1.5, 0.5))
-        action = schedule.Action(schedule.Phase.FORWARD, 0, 0)
-        self.assertEqual([1.0, 1.25, 1.5, 1.75],
-                         [slowdown.factor(action, 0, busy) for busy in (1, 2, 3, 4)])
-        self.assertEqual(2.0, slowdown.factor(None, 0, 3))
-        self.assertEqual(1.0, slowdown.factor(None, 1, 3))  # Never faster than alone.
+    def test_co_run_factors_of_mixed_and_many_jobs(self):
+        forward = schedule.Action(schedule.Phase.FORWARD, 0, 0)
+        backward = schedule.Action(schedule.Phase.BACKWARD, 1, 0)
+        slowdown = simulator.CoRunSlowdown(
+            actions=lambda a: 2.0 if a.phase is schedule.Phase.FORWARD else 1.5,
+            updates=(1.25, 0.5))
+        # Alone: 1. Beside each other: 1 + sqrt(1 x 0.5) for both.
+        self.assertEqual({0: 1.0}, slowdown.factors({0: forward}, 2))
+        both = slowdown.factors({0: forward, 1: backward}, 2)
+        self.assertAlmostEqual(1 + 0.5 ** 0.5, both[0])
+        self.assertAlmostEqual(1 + 0.5 ** 0.5, both[1])
+        # Four copies of an update of excess 0.25: on 4 processors each meets the 3 others,
+        # 1.75; on 2, one at a time, 1.25. An update of 0.5 (never faster than alone: excess
+        # 0) slows nothing and is not slowed.
+        updates = {d: None for d in range(4)}
+        same = simulator.CoRunSlowdown(actions=lambda a: 1.0, updates=(1.25,) * 4)
+        self.assertEqual({d: 1.75 for d in range(4)}, same.factors(updates, 4))
+        self.assertEqual({d: 1.25 for d in range(4)}, same.factors(updates, 2))
+        self.assertEqual({0: 1.0, 1: 1.0}, slowdown.factors({0: None, 1: None}, 2))
 
     @parameterized.parameters("gpipe", "1f1b", "zero_bubble")
     def test_no_co_run_slowdown_changes_nothing(self, name):

@@ -29,15 +29,17 @@ class PredictedFromPhaseCostsTest(absltest.TestCase):
             COSTS, "gpipe", 2, 1, "except_last"))
 
     def test_co_run_slowdown_of_each_call(self):
-        # Two processors; beside another job the forward runs 2x slower, the kept pair 1.5x,
-        # the re-computing call 2x, device 0's update not at all, device 1's 3x. F00 [0, 1];
-        # F01 and F10 side by side [1, 3]; F11 [3, 4]; B11 [4, 6]; from 6, B01 (2 of work at
-        # 1/1.5) and B10 (3 at 1/2): B01 ends at 9, B10's last 1.5 alone [9, 10.5]; from 10.5
-        # B00 (3 at 1/2) beside device 1's update (1 at 1/3): both busy until 13.5, then
-        # B00's last 1.5 alone until 15; device 0's update [15, 16].
+        # Two processors; beside a copy of itself the forward runs 2x slower, the kept pair
+        # 1.5x, the re-computing call 2x, device 0's update 1x, device 1's 3x; two jobs slow
+        # each other by 1 + sqrt(excess x excess). F00 [0, 1]; F01 and F10 side by side at
+        # 1/2: [1, 3]; F11 [3, 4]; B11 [4, 6]; from 6, B01 (2 of work) and B10 (3) at
+        # 1 / (1 + sqrt(0.5)): B01 ends at 8 + sqrt(2), B10's last 1 alone until 9 + sqrt(2);
+        # then B00 (3) beside device 1's update (1), both at 1 / (1 + sqrt(2)): the update
+        # ends at 10 + 2 sqrt(2), B00's last 2 alone until 12 + 2 sqrt(2); device 0's update
+        # 1 more.
         co_run = {"forward": [2.0, 2.0], "kept": [1.5, 1.5], "bprop": [2.0, 2.0],
                   "update_cells": [1.0, 3.0]}
-        self.assertAlmostEqual(16.0, time_model.predicted_from_phase_costs(
+        self.assertAlmostEqual(13.0 + 2.0 * 2.0 ** 0.5, time_model.predicted_from_phase_costs(
             COSTS, "gpipe", 2, 1, "except_last", processors=2, co_run=co_run))
 
     def test_a_device_update_factor_weighs_its_cells_updates(self):

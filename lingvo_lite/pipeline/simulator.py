@@ -109,23 +109,35 @@ class CoRunSlowdown:
     Processors on one host share its memory bandwidth and caches: a memory-bound job (a
     weight-sized gradient written for a few rows) can take 1.4x its time alone while the
     other core runs one like it, where a compute-bound one takes 1.0x (BENCHMARKS.md 12c).
-    `actions(a)` is action a's factor with one other processor busy (its duration beside a
-    copy of itself over its duration alone), `updates[d]` that of device d's update; with
-    b busy processors a job runs at 1 / (1 + (factor - 1) x (b - 1)) of its speed (each
-    further busy processor adds as much pressure as the first). Accelerators with memory of
-    their own have none: leave it out.
+    `actions(a)` is action a's factor beside a copy of itself (its duration run so, over its
+    duration alone), `updates[d]` that of device d's update. Two different jobs a and b slow
+    each other by the geometric mean of their excesses, 1 + sqrt((s_a - 1)(s_b - 1)): a job
+    beside a copy of itself takes its own factor, beside a compute-bound one (s = 1) its
+    time alone. With b processors busy, a job meets b - 1 of the others running at a time
+    (time-shared equally when more run than there are processors), each adding its share.
+    Accelerators with memory of their own have none: leave it out.
     """
 
     actions: Callable[[Action], float]
     updates: Sequence[float] = ()
 
-    def factor(self, job: Action | None, device: int, busy: int) -> float:
-        """The slowdown of `job` (None: `device`'s update) with `busy` processors busy."""
+    def excess(self, job: Action | None, device: int) -> float:
+        """`job`'s factor beside a copy of itself, less 1 (None: `device`'s update)."""
         if job is None:
-            base = self.updates[device] if self.updates else 1.0
-        else:
-            base = self.actions(job)
-        return 1.0 + max(0.0, base - 1.0) * max(0, busy - 1)
+            return max(0.0, (self.updates[device] if self.updates else 1.0) - 1.0)
+        return max(0.0, self.actions(job) - 1.0)
+
+    def factors(self, running: dict[int, Action | None], processors: int) -> dict[int, float]:
+        """The slowdown of each running job (`running`: device -> its action, None for its
+        update)."""
+        if len(running) < 2:
+            return {dev: 1.0 for dev in running}
+        roots = {dev: self.excess(job, dev) ** 0.5 for dev, job in running.items()}
+        total = sum(roots.values())
+        # Each meets `partners` of the others at a time: their mean sqrt(excess x excess).
+        partners = min(len(running), processors) - 1
+        return {dev: 1.0 + partners * root * (total - root) / (len(running) - 1)
+                for dev, root in roots.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,9 +368,9 @@ def _replay_on_shared_processors(sched: schedule_lib.Schedule,
             else:
                 waiting[dev] = ready
         share = min(1.0, processors / len(running)) if running else 1.0
-        busy = min(len(running), processors)
-        rate = {dev: share / (slowdown.factor(job[0], dev, busy) if slowdown else 1.0)
-                for dev, job in running.items()}
+        factor = (slowdown.factors({dev: job[0] for dev, job in running.items()}, processors)
+                  if slowdown else {})
+        rate = {dev: share / factor.get(dev, 1.0) for dev in running}
         next_event = min(list(waiting.values())
                          + [now + job[1] / rate[dev] for dev, job in running.items()],
                          default=None)
