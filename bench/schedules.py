@@ -21,6 +21,9 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   itself on another device (`--no_co_run` skips it): the ratio is its co-run slowdown, how
   much longer it takes while another core is busy (the cores share the host's memory
   bandwidth; `simulator.CoRunSlowdown`), and the rows show the model with and without it.
+  The twins double the figure's memory: at K=2 with T up to 16, AmoebaNet's worker grew past
+  this project's 24 GiB machine, so time the co-run factors there at fewer T (`--micro_batches
+  =4,8`) or not at all.
 - `weight_heavy`: 4 dense 2048x2048 layers on a batch of 64, gpipe with per-micro-batch vs batched
   weight gradients, against naive model parallelism, on serial devices and on the shared pool.
 

@@ -25,6 +25,7 @@ _EXPORTS = {
     "Partition": "lingvo_lite.pipeline.partition",
     "simulate": "lingvo_lite.pipeline.simulator",
     "PhaseCosts": "lingvo_lite.pipeline.simulator",
+    "CoRunSlowdown": "lingvo_lite.pipeline.simulator",
 }
 
 __all__ = list(_EXPORTS)
