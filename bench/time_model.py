@@ -46,7 +46,8 @@ def predicted_step(work: float, shares: list[float], num_micro_batches: int,
 def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batches: int,
                                virtual_stages: int, remat: str,
                                processors: int | None = None,
-                               co_run: dict | None = None) -> float:
+                               co_run: dict | None = None,
+                               serial_devices: bool = True) -> float:
     """A schedule's step simulated from each cell's calls timed alone (see
     `schedules._phase_costs`), what this implementation runs per action: F is the forward
     call; a whole backward B is the backward call, or where the micro-batch kept its
@@ -60,7 +61,10 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     `simulator.simulate`'s `processors`); None: each device runs on a core of its own.
     `co_run`: each call's time beside a copy of itself over its time alone, keyed as `costs`
     (phases, and `update_cells`): the cores' co-run slowdown (`simulator.CoRunSlowdown`);
-    needs `processors`."""
+    needs `processors`. `serial_devices`: the steps ran on serial devices, where a kept
+    micro-batch's B is one call whose weight gradients cannot be deferred (`Executor.
+    _train_forward`): its B computes them (the kept pair is timed so) and its W has nothing
+    left to do (an empty call, taken as free)."""
     sched = schedule.make_schedule(schedule_name, len(costs["forward"]), num_micro_batches,
                                    virtual_stages)
     recomputed = remat_lib.recomputed_actions(sched, remat)
@@ -78,6 +82,9 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
         return "kept_input_only" if split else "kept"
 
     def duration(a: Action) -> float:
+        if (serial_devices and a.phase is Phase.WEIGHT
+                and Action(Phase.BACKWARD, a.cell, a.micro_batch) not in recomputed):
+            return 0.0
         call = call_of(a)
         if not call.startswith("kept"):
             return costs[call][a.cell]

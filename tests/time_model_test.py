@@ -42,6 +42,17 @@ class PredictedFromPhaseCostsTest(absltest.TestCase):
         self.assertAlmostEqual(13.0 + 2.0 * 2.0 ** 0.5, time_model.predicted_from_phase_costs(
             COSTS, "gpipe", 2, 1, "except_last", processors=2, co_run=co_run))
 
+    def test_a_kept_micro_batch_has_no_w_on_serial_devices(self):
+        # zero_bubble, T=1: the micro-batch keeps its activations on both cells; F [0, 1] and
+        # [1, 2]; cell 1's B (the kept pair 2.5 less the forward) [2, 3.5]. On serial devices
+        # its weight gradients were computed in B, so W is empty: device 1 updates [3.5, 4.5];
+        # cell 0's B [3.5, 5], its update [5, 6]. Where B defers them, each W takes 1 more:
+        # device 1's W [3.5, 4.5] and update [4.5, 5.5]; device 0's W [5, 6], update [6, 7].
+        self.assertAlmostEqual(6.0, time_model.predicted_from_phase_costs(
+            COSTS, "zero_bubble", 1, 1, "except_last"))
+        self.assertAlmostEqual(7.0, time_model.predicted_from_phase_costs(
+            COSTS, "zero_bubble", 1, 1, "except_last", serial_devices=False))
+
     def test_a_device_update_factor_weighs_its_cells_updates(self):
         # Interleaved, 4 cells on 2 devices: device 0 updates cells 0 and 2 (1 and 3 of
         # work, factors 1 and 3: (1 + 9) / 4), device 1 cells 1 and 3 (2 and 0, 2 and 5).
