@@ -313,12 +313,12 @@ def interleaved(steps: dict[str, tuple[Callable, object]], rounds: int, iters: i
 
 def profiled_steps(fn: Callable, arg, num_steps: int = 3) -> tuple[list[list], str]:
     """Runs `fn(arg)` num_steps times under the TF profiler; each step's op events (one list
-    per step, see lingvo_lite.pipeline.trace_analysis) and the trace's logdir."""
+    per step, see lingvo_lite.analysis.trace_analysis) and the trace's logdir."""
     import tempfile
 
     import tensorflow as tf
 
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     logdir = tempfile.mkdtemp(prefix="bench_profile_")
     tf.profiler.experimental.start(logdir)

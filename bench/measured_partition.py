@@ -101,7 +101,7 @@ def _busy_imbalance(step, batch, num_cells: int, num_steps: int) -> float:
     """Mean over `num_steps` profiled steps of max / mean device busy time."""
     import bench_lib
 
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     float(step(batch))  # Traced and run once before the profiled steps.
     ratios = []

@@ -152,7 +152,7 @@ def main() -> None:
     import device_memory
     import memory_model_check
 
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     layers, shapes, make_batch = bench_lib.model(args.model, args.quick)
     num_devices = args.num_cells // v

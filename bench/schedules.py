@@ -51,7 +51,7 @@ REMAT = "except_last"
 
 def _idle_per_device(events, virtual_stages: int, num_devices: int) -> float:
     """Mean over devices of their idle share of the pipelined phase (first to last cell op)."""
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     breakdown = trace_analysis.compute_breakdown(events, num_devices * virtual_stages,
                                                  virtual_stages)

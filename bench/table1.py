@@ -76,7 +76,7 @@ def _counts(p) -> tuple[int, int]:
 
 def amoebanet_params(num_normal_cells: int, filters: int, batch: int = 128):
     """The pipeline params and optimizer slots of AmoebaNet-D (L, F) as registered."""
-    from lingvo_lite.pipeline import memory_model
+    from lingvo_lite.analysis import memory_model
     from model_params import image
 
     cls = type("AmoebaNetTable1", (image._AmoebaNetImageNet,),
@@ -87,7 +87,7 @@ def amoebanet_params(num_normal_cells: int, filters: int, batch: int = 128):
 
 
 def transformer_params(num_layers: int, batch: int = 32, length: int = 1024):
-    from lingvo_lite.pipeline import memory_model
+    from lingvo_lite.analysis import memory_model
     from lingvo_lite.training import model_config
     from model_params import mt
 

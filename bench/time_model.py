@@ -14,8 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from lingvo_lite.analysis import simulator
 from lingvo_lite.pipeline import remat as remat_lib  # noqa: E402
-from lingvo_lite.pipeline import schedule, simulator  # noqa: E402
+from lingvo_lite.pipeline import schedule
 from lingvo_lite.pipeline.schedule import Action, Phase  # noqa: E402
 
 BACKWARD_RATIO = 2.0

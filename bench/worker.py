@@ -93,7 +93,7 @@ def fig_speedup_serial() -> dict:
 
 def _profile_step(fn, batch) -> dict:
     """Captures 3 steps with the TF profiler; the breakdown of each, and the middle one's boxes."""
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     step_events, logdir = bench_lib.profiled_steps(fn, batch, 3)
     steps = [trace_analysis.compute_breakdown(evs, 2).as_scalars(prefix="") for evs in step_events]

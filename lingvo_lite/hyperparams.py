@@ -177,7 +177,7 @@ def _segments(node: ast.AST) -> list[str]:
 # Modules renamed since params text was first written; text saved before still parses.
 _MOVED_MODULES = {
     "lingvo_lite.lr_schedule": "lingvo_lite.learning_rate",
-    "lingvo_lite.pipeline.timeline": "lingvo_lite.pipeline.trace_analysis",
+    "lingvo_lite.pipeline.timeline": "lingvo_lite.analysis.trace_analysis",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unittest
 
-from lingvo_lite.pipeline import breakdown_advice, trace_analysis
+from lingvo_lite.analysis import breakdown_advice, trace_analysis
 
 CONFIG = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=8)
 

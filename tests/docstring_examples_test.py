@@ -23,6 +23,7 @@ ENTRY_POINTS = {
     "lingvo_lite": [""],
     "lingvo_lite.layers": [""],
     "lingvo_lite.pipeline": [""],
+    "lingvo_lite.analysis": [""],
     "lingvo_lite.model_registry": ["", "SplitInputModelParams"],
     "lingvo_lite.training": [""],
     "lingvo_lite.training.runner": ["main"],

@@ -13,7 +13,8 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from lingvo_lite.pipeline import gantt, ideal_timeline, op_names, schedule, trace_analysis
+from lingvo_lite.analysis import gantt, ideal_timeline, trace_analysis
+from lingvo_lite.pipeline import op_names, schedule
 
 MS = 1_000_000  # ns
 T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import unittest
 
-from lingvo_lite.pipeline import ideal_timeline, schedule, trace_analysis
+from lingvo_lite.analysis import ideal_timeline, trace_analysis
+from lingvo_lite.pipeline import schedule
 
 
 class PredictTest(unittest.TestCase):

@@ -27,14 +27,9 @@ from pipeline_test import (
 from trace_readers import cell_orders
 
 from lingvo_lite import fprop_context
+from lingvo_lite.analysis import trace_analysis
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import (
-    cell_functions,
-    loop_executor,
-    pipelining_layer,
-    schedule,
-    trace_analysis,
-)
+from lingvo_lite.pipeline import cell_functions, loop_executor, pipelining_layer, schedule
 
 
 def _loop_step(pipe, step_seed: int = 3, input_grads: bool = False):

@@ -19,8 +19,9 @@ import sys
 import pytest
 
 from lingvo_lite import optimizers
-from lingvo_lite.pipeline import memory_model, partition, schedule, simulator
-from lingvo_lite.pipeline.memory_model import LayerMemory
+from lingvo_lite.analysis import memory_model, simulator
+from lingvo_lite.analysis.memory_model import LayerMemory
+from lingvo_lite.pipeline import partition, schedule
 from lingvo_lite.training import model_config, options, planner
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

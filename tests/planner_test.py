@@ -10,7 +10,8 @@ import re
 import memory_model_test
 import pytest
 
-from lingvo_lite.pipeline import schedule, simulator
+from lingvo_lite.analysis import simulator
+from lingvo_lite.pipeline import schedule
 from lingvo_lite.training import model_config, options, planner, runner, sizes
 
 MODEL = "tests.plan_models.PlanMlp"

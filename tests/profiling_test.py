@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 from trace_readers import boxes_from_trace
 
-from lingvo_lite.pipeline import trace_analysis
+from lingvo_lite.analysis import trace_analysis
 from lingvo_lite.training import options, runner
 
 

@@ -23,8 +23,8 @@ import lingvo_lite
 import model_params
 import tasks
 
-PACKAGES = ("lingvo_lite", "lingvo_lite.layers", "lingvo_lite.pipeline", "lingvo_lite.keras",
-            "lingvo_lite.training")
+PACKAGES = ("lingvo_lite", "lingvo_lite.layers", "lingvo_lite.pipeline", "lingvo_lite.analysis",
+            "lingvo_lite.keras", "lingvo_lite.training")
 
 
 def _all_modules() -> list[types.ModuleType]:
@@ -96,6 +96,7 @@ class PublicApiTest(tf.test.TestCase):
     def test_importing_the_packages_loads_no_tensorflow(self):
         # trainer.py checks its flags before TensorFlow loads; the re-exports must not load it.
         code = ("import sys, lingvo_lite, lingvo_lite.layers, lingvo_lite.pipeline, "
+                "lingvo_lite.analysis, "
                 "lingvo_lite.training, lingvo_lite.training.options, lingvo_lite.model_registry\n"
                 "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
         run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -109,12 +110,12 @@ if __name__ == "__main__":
 
 
 # The README's layout: each module of the library and the level it belongs to.
-_LEVELS = ("params", "layers", "pipeline", "tasks", "trainer")
+_LEVELS = ("params", "layers", "pipeline", "tasks", "analysis", "trainer")
 _LEVEL_OF_MODULE = {
     "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
     "base_layer": "layers", "weight_params": "layers", "fprop_context": "layers",
     "devices": "layers", "colocation": "layers", "layers": "layers",
-    "pipeline": "pipeline",
+    "pipeline": "pipeline", "analysis": "analysis",
     "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",
     "optimizers": "tasks", "learning_rate": "tasks", "warm_start": "tasks",
     "model_registry": "tasks", "keras": "tasks",
@@ -155,3 +156,26 @@ class LayeringTest(unittest.TestCase):
                             upward.append(f"{module} ({_LEVELS[own]}) imports {imported} "
                                           f"({level})")
         self.assertEqual([], upward)
+
+    def test_the_runtime_never_imports_analysis(self):
+        # Two houses: what a training step needs, and prediction/observation on top of it.
+        root = os.path.dirname(lingvo_lite.__file__)
+        offending = []
+        for directory, _, files in os.walk(root):
+            if os.path.relpath(directory, root).split(os.sep)[0] in ("analysis", "training"):
+                continue
+            for name in files:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(directory, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                for node in ast.walk(tree):
+                    names = []
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    elif isinstance(node, ast.ImportFrom) and node.module:
+                        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                    if any(n.startswith("lingvo_lite.analysis") for n in names):
+                        offending.append(os.path.relpath(path, root))
+        self.assertEqual([], offending)

@@ -390,7 +390,7 @@ def test_interleaved_bubble_is_one_vth_of_1f1b(K, v, T):
 
 @pytest.mark.parametrize('K,T', [(2, 2), (3, 4), (4, 4), (4, 8), (5, 12), (8, 16)])
 def test_zero_bubble_beats_1f1b_with_the_same_activations(K, T):
-    from lingvo_lite.pipeline import simulator
+    from lingvo_lite.analysis import simulator
     zb = schedule.ZeroBubbleSchedule(K, T)
     ofob = schedule.OneFOneBSchedule(K, T)
     # F = B = W = 1: 1F1B's whole backward takes 2. ZB-H1 (Table 2 of the paper): bubble

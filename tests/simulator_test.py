@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite.pipeline import partition, schedule, simulator
+from lingvo_lite.analysis import simulator
+from lingvo_lite.pipeline import partition, schedule
 from lingvo_lite.pipeline.schedule import Action, Phase
 
 

@@ -18,14 +18,9 @@ from conftest import random_xy_batch, tanh_stack_with_loss
 from trace_readers import cell_orders
 
 from lingvo_lite import fprop_context
+from lingvo_lite.analysis import breakdown_advice, trace_analysis
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import (
-    breakdown_advice,
-    op_names,
-    pipelining_layer,
-    schedule,
-    trace_analysis,
-)
+from lingvo_lite.pipeline import op_names, pipelining_layer, schedule
 
 # Large enough that op time, not per-op overhead or OS jitter, decides the busy times: at
 # 128 x 192 a balanced split sometimes showed an imbalance share of 0.19.

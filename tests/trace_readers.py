@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import chrome_trace, trace_analysis
+from lingvo_lite.analysis import chrome_trace, trace_analysis
 
 
 def cell_orders(boxes: Sequence[trace_analysis.Box]) -> dict[int, list[tuple[str, int]]]:

@@ -1,9 +1,10 @@
 """GPipe for lingvo-lite layers: partition, placement, micro-batches, schedules, recomputation.
 
-`PipeliningLayer` is the entry point (see its docstring for a complete example); schedules are
-data (`make_schedule`, `CustomSchedule`, `parse_orders`) and `simulate` replays one with action
-durations. The profiling modules (`trace_analysis`, `gantt`, `chrome_trace`, `ideal_timeline`,
-`breakdown_advice`) read what a profiled step did.
+The runtime: what a training step needs. `PipeliningLayer` is the entry point (see its
+docstring for a complete example); schedules are data (`make_schedule`, `CustomSchedule`,
+`parse_orders`) and own the cell-to-device mapping. Prediction and observation (the
+simulator, the memory model, trace analysis, charts, advice) live in `lingvo_lite.analysis`,
+which this package never imports.
 
 >>> from lingvo_lite import pipeline
 >>> print(pipeline.make_schedule("gpipe", 2, 3).format_orders())
@@ -23,9 +24,6 @@ _EXPORTS = {
     "CustomSchedule": "lingvo_lite.pipeline.custom_schedule",
     "parse_orders": "lingvo_lite.pipeline.custom_schedule",
     "Partition": "lingvo_lite.pipeline.partition",
-    "simulate": "lingvo_lite.pipeline.simulator",
-    "PhaseCosts": "lingvo_lite.pipeline.simulator",
-    "CoRunSlowdown": "lingvo_lite.pipeline.simulator",
 }
 
 __all__ = list(_EXPORTS)

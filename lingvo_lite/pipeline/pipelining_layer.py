@@ -190,13 +190,18 @@ class PipeliningLayer(base_layer.BaseLayer):
             "it would be pure waste); 'never'.",
         )
         p.Define("schedule", "gpipe",
-                 "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (PipeDream-flush), "
-                 "'interleaved' (Megatron's interleaved 1F1B; see virtual_stages) or "
-                 "'zero_bubble' (ZB-H1: each backward split into the input gradient B and "
-                 "the weight gradient W, which fills the bubbles; B records the inputs and "
-                 "output gradients of the ops that apply weights (layers.weight_ops: "
-                 "matmuls, einsums, convolutions) and W computes their weight gradients "
-                 "from those, until then held in memory; other weights get theirs in B).")
+                 "Pipeline schedule, a name or a Schedule object. Names: 'gpipe' "
+                 "(fill-drain), '1f1b' (PipeDream-flush), 'interleaved' (Megatron's "
+                 "interleaved 1F1B; see virtual_stages), 'zero_bubble' (ZB-H1: each backward "
+                 "split into the input gradient B and the weight gradient W, which fills the "
+                 "bubbles; B records the inputs and output gradients of the ops that apply "
+                 "weights (layers.weight_ops: matmuls, einsums, convolutions) and W computes "
+                 "their weight gradients from those, until then held in memory; other weights "
+                 "get theirs in B) or 'zbv' (ZB-V: two cells per device in a V, device d "
+                 "holding cells d and 2D-1-d). A Schedule object (e.g. a CustomSchedule "
+                 "parsed from text) must have num_cells cells and the step's number of "
+                 "micro-batches. The schedule places the cells: cell k's weights and ops go "
+                 "to its device_of_cell(k).")
         p.Define("virtual_stages", 1,
                  "For schedule='interleaved': cells per device, v. The layers are partitioned "
                  "into num_cells cells that run on num_cells / v devices, device d holding "
@@ -261,13 +266,14 @@ class PipeliningLayer(base_layer.BaseLayer):
                 raise ValueError(f"{self.path}: {e}") from None
         self._partition = self.ComputePartition(p)
         num_cells = self._partition.num_cells
-        try:  # The schedule's name and virtual_stages, checked before any device is chosen.
-            probe = schedule.make_schedule(p.schedule, num_cells,
-                                           max(1, num_cells // max(1, p.virtual_stages)),
-                                           p.virtual_stages)
+        try:  # The schedule, checked before any device is chosen: it places the cells.
+            probe = schedule.schedule_for(
+                p.schedule, num_cells,
+                getattr(p.schedule, "num_micro_batches", num_cells), p.virtual_stages)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from None
         self._num_devices = probe.num_devices
+        self._cell_devices = probe.cell_devices
         strategy = tpu.current_tpu_strategy()
         path = placement.choose_path(p.placement, p.num_replicas, self._num_devices,
                                      placement.visible_device_counts(), strategy is not None)
@@ -372,7 +378,13 @@ class PipeliningLayer(base_layer.BaseLayer):
         return self._num_devices
 
     def _device_of_cell(self, k: int) -> int:
-        return k % self._num_devices
+        return self._cell_devices[k]
+
+    @property
+    def cell_devices(self) -> tuple[int, ...]:
+        """`cell_devices[k]`: the index (within a replica) of cell k's device, as the schedule
+        places it; `devices[k]` names it."""
+        return self._cell_devices
 
     @property
     def num_cells(self) -> int:
@@ -435,10 +447,17 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     def make_schedule(self, num_micro_batches: int) -> schedule.Schedule:
         try:
-            return schedule.make_schedule(self.params.schedule, self.num_cells,
+            sched = schedule.schedule_for(self.params.schedule, self.num_cells,
                                           num_micro_batches, self.params.virtual_stages)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from None
+        if sched.cell_devices != self._cell_devices:
+            raise ValueError(
+                f"{self.path}: the schedule for T={num_micro_batches} places cells on devices "
+                f"{list(sched.cell_devices)}, but the weights were placed by "
+                f"{list(self._cell_devices)}; a schedule must place cells the same way for "
+                "every T.")
+        return sched
 
     def num_micro_batches_for(self, batch_size: int) -> int:
         p = self.params

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -54,7 +55,10 @@ __all__ = [
     "make_schedule",
     "OneFOneBSchedule",
     "Phase",
+    "register",
     "Schedule",
+    "schedule_classes",
+    "schedule_for",
     "SCHEDULES",
     "ZeroBubbleSchedule",
 ]
@@ -193,10 +197,35 @@ class Schedule(abc.ABC):
         return (f'{type(self).__name__}(num_cells={self.num_cells}, '
                 f'num_micro_batches={self.num_micro_batches})')
 
+    @classmethod
+    def for_cells(cls, num_cells: int, num_micro_batches: int,
+                  virtual_stages: int = 1) -> Schedule:
+        """This schedule for a partition of `num_cells` cells: what `make_schedule` builds.
+
+        The default puts one cell on each device and takes no virtual stages; a schedule with
+        several cells per device overrides it.
+        """
+        v = _check_count(virtual_stages, 'virtual_stages')
+        if v != 1:
+            raise ValueError(f'virtual_stages={v} applies only to the interleaved schedule; set '
+                             f'virtual_stages=1 for schedule {cls.name!r}, or use '
+                             "schedule='interleaved'")
+        return cls(num_cells, num_micro_batches)
+
     def device_of_cell(self, cell: int) -> int:
         """The device that runs cell `cell` (default: device k runs cell k)."""
         self._check_cell(cell)
         return cell
+
+    @property
+    def cell_devices(self) -> tuple[int, ...]:
+        """`cell_devices[k]`: the device of cell k. The one placement rule: the pipeline puts
+        cell k's variables and ops there, and every chart and analysis draws it there.
+
+        >>> make_schedule('interleaved', 4, 2, virtual_stages=2).cell_devices
+        (0, 1, 0, 1)
+        """
+        return tuple(self.device_of_cell(k) for k in range(self.num_cells))
 
     def cells_of_device(self, device: int) -> list[int]:
         """The cells device `device` holds, in increasing order."""
@@ -552,6 +581,17 @@ class InterleavedSchedule(Schedule):
         super().__init__(num_devices * v, T, num_devices)
         self._virtual_stages = v
 
+    @classmethod
+    def for_cells(cls, num_cells: int, num_micro_batches: int,
+                  virtual_stages: int = 1) -> Schedule:
+        v = _check_count(virtual_stages, 'virtual_stages')
+        num_cells = _check_count(num_cells, 'num_cells')
+        if num_cells % v:
+            raise ValueError(f'virtual_stages={v} must divide the number of cells '
+                             f'({num_cells}): the interleaved schedule puts virtual_stages '
+                             'cells on each device')
+        return cls(num_cells // v, num_micro_batches, virtual_stages=v)
+
     @property
     def virtual_stages(self) -> int:
         return self._virtual_stages
@@ -596,33 +636,84 @@ SCHEDULES: dict[str, type[Schedule]] = {
     ZeroBubbleSchedule.name: ZeroBubbleSchedule,
 }
 
+# Schedules defined in modules of their own, registered on first use (`register`).
+_SCHEDULE_MODULES = (
+    'lingvo_lite.pipeline.zbv_schedule',
+)
+
+
+def register(cls: type[Schedule]) -> type[Schedule]:
+    """Class decorator: makes `cls` buildable by name (`make_schedule(cls.name, ...)`).
+
+    A new schedule is one module: a `Schedule` subclass with a `name`, decorated with
+    `@register`, and its module listed in `_SCHEDULE_MODULES`.
+    """
+    if not cls.name:
+        raise ValueError(f'{cls.__name__} has no name; set the class attribute `name`')
+    SCHEDULES[cls.name] = cls
+    return cls
+
+
+def schedule_classes() -> dict[str, type[Schedule]]:
+    """Every registered schedule, by name (built-in ones and those of `_SCHEDULE_MODULES`).
+
+    >>> list(schedule_classes())
+    ['gpipe', '1f1b', 'interleaved', 'zero_bubble', 'zbv']
+    """
+    for module in _SCHEDULE_MODULES:
+        importlib.import_module(module)
+    return SCHEDULES
+
 
 def make_schedule(name: str, num_cells: int, num_micro_batches: int,
                   virtual_stages: int = 1) -> Schedule:
-    """Builds the schedule called `name` ('gpipe', '1f1b', 'interleaved' or 'zero_bubble').
+    """Builds the schedule called `name` (see `schedule_classes()` for the names).
 
     `num_cells` is always the number of cells (model chunks) the partition made, for every
     schedule: it is what PhaseCosts, the partition and profiler traces count. For
     'interleaved' those cells run on num_cells / virtual_stages devices, virtual_stages cells
-    per device (device d holds cells d, d + D, ...); the other schedules put one cell on each
-    device and take virtual_stages=1.
+    per device (device d holds cells d, d + D, ...); 'zbv' puts two cells on each device
+    (device d holds cells d and 2D - 1 - d); the other schedules put one cell on each device
+    and take virtual_stages=1.
 
     >>> make_schedule('interleaved', 8, 4, virtual_stages=2)
     InterleavedSchedule(num_devices=4, num_micro_batches=4, virtual_stages=2)
     """
-    if name not in SCHEDULES:
+    classes = schedule_classes()
+    if name not in classes:
         raise ValueError(f'schedule name={name!r} is unknown; valid names: '
-                         f'{", ".join(SCHEDULES)}')
-    v = _check_count(virtual_stages, 'virtual_stages')
-    if name == InterleavedSchedule.name:
-        num_cells = _check_count(num_cells, 'num_cells')
-        if num_cells % v:
-            raise ValueError(f'virtual_stages={v} must divide the number of cells '
-                             f'({num_cells}): the interleaved schedule puts virtual_stages '
-                             'cells on each device')
-        return InterleavedSchedule(num_cells // v, num_micro_batches, virtual_stages=v)
-    if v != 1:
-        raise ValueError(f'virtual_stages={v} applies only to the interleaved schedule; set '
-                         f'virtual_stages=1 for schedule {name!r}, or use '
-                         "schedule='interleaved'")
-    return SCHEDULES[name](num_cells, num_micro_batches)
+                         f'{", ".join(classes)}')
+    return classes[name].for_cells(num_cells, num_micro_batches, virtual_stages)
+
+
+def schedule_for(spec: str | Schedule, num_cells: int, num_micro_batches: int,
+                 virtual_stages: int = 1) -> Schedule:
+    """The schedule `spec` names (`make_schedule`), or `spec` itself when it is a Schedule
+    built for `num_cells` cells and `num_micro_batches` micro-batches (one line otherwise).
+
+    >>> schedule_for('gpipe', 2, 3).num_micro_batches
+    3
+    >>> schedule_for(make_schedule('1f1b', 2, 4), 2, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: the schedule object was built for 4 micro-batches, but the step runs 3; \
+build it for num_micro_batches=3 (or pass the schedule's name)
+    """
+    if isinstance(spec, Schedule):
+        if virtual_stages != 1:
+            raise ValueError(f'virtual_stages={virtual_stages} with a schedule object: the '
+                             'object places its own cells; leave virtual_stages at 1')
+        if spec.num_cells != num_cells:
+            raise ValueError(f'the schedule object has {spec.num_cells} cells, but the '
+                             f'partition made {num_cells}; set num_cells={spec.num_cells} '
+                             '(or build the schedule for the partition)')
+        if spec.num_micro_batches != num_micro_batches:
+            raise ValueError(f'the schedule object was built for {spec.num_micro_batches} '
+                             f'micro-batches, but the step runs {num_micro_batches}; build it '
+                             f'for num_micro_batches={num_micro_batches} (or pass the '
+                             "schedule's name)")
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f'schedule={spec!r}: give a schedule name '
+                         f'({", ".join(schedule_classes())}) or a Schedule object')
+    return make_schedule(spec, num_cells, num_micro_batches, virtual_stages)

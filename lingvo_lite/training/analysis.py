@@ -13,8 +13,9 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
+from lingvo_lite.analysis import simulator
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import micro_batch, partition, pipelining_layer, simulator
+from lingvo_lite.pipeline import micro_batch, partition, pipelining_layer
 from lingvo_lite.training import model_config
 
 __all__: list[str] = []

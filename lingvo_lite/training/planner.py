@@ -41,8 +41,9 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
+from lingvo_lite.analysis import memory_model, simulator
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import memory_model, partition, pipelining_layer, simulator
+from lingvo_lite.pipeline import partition, pipelining_layer
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.training.options import UsageError

@@ -3,12 +3,12 @@
 `trainer.py --profile_steps=N,M` captures global steps N..M (inclusive) with
 `tf.profiler.experimental` into `<logdir>/train` (TensorBoard's profile tab, from the optional
 tensorboard-plugin-profile package, opens it as run `train`), then reads the trace back
-(`lingvo_lite.pipeline.trace_analysis`) and writes, at step M of the `train` run:
-  - `pipeline/gantt`: a chart of the last profiled step (`lingvo_lite.pipeline.gantt`): one
+(`lingvo_lite.analysis.trace_analysis`) and writes, at step M of the `train` run:
+  - `pipeline/gantt`: a chart of the last profiled step (`lingvo_lite.analysis.gantt`): one
     row per device, a box per forward, re-computation and backward of each micro-batch, the
     timeline the schedule simulator predicts under it, and the step's Figure 4 breakdown;
   - `pipeline/breakdown` (Text tab): that breakdown as a markdown table, with suggestions
-    (`lingvo_lite.pipeline.breakdown_advice`);
+    (`lingvo_lite.analysis.breakdown_advice`);
   - `pipeline/<part>`: GPipe's Figure 4 breakdown of the step time, averaged over the profiled
     steps (setup, compute, recompute, load_imbalance, bubble, weight_update, step_ms), and
     `pipeline/device_<d>_busy`;
@@ -88,7 +88,7 @@ class StepProfiler:
     def step(self, step_number: int, writers=None) -> Iterator[None]:
         import tensorflow as tf
 
-        from lingvo_lite.pipeline import trace_analysis
+        from lingvo_lite.analysis import trace_analysis
 
         if not self.first <= step_number <= self.last:
             yield
@@ -139,7 +139,7 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
 
     Returns None when the trace holds no pipeline op (a model without PipeliningLayer).
     """
-    from lingvo_lite.pipeline import trace_analysis
+    from lingvo_lite.analysis import trace_analysis
 
     description = description or PipelineDescription()
     spaces = trace_analysis.load_xspaces(trace_dir)
@@ -189,13 +189,8 @@ def one_line(text: str) -> str:
 
 def build_report(result: dict, description: PipelineDescription) -> Report:
     """The title facts, predicted timeline, table and suggestions of `analyse`'s result."""
-    from lingvo_lite.pipeline import (
-        breakdown_advice,
-        gantt,
-        ideal_timeline,
-        pipelining_layer,
-        schedule,
-    )
+    from lingvo_lite.analysis import breakdown_advice, gantt, ideal_timeline
+    from lingvo_lite.pipeline import pipelining_layer, schedule
 
     boxes, breakdown = result["boxes"], result["breakdown"]
     num_cells = description.num_cells or result["num_cells"]
@@ -224,7 +219,7 @@ def build_report(result: dict, description: PipelineDescription) -> Report:
 
 def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
     """Writes `<trace_dir>/pipeline_trace_<step>.json`; returns its path."""
-    from lingvo_lite.pipeline import chrome_trace
+    from lingvo_lite.analysis import chrome_trace
 
     return chrome_trace.write_trace(
         os.path.join(trace_dir, f"pipeline_trace_{step}.json"), result["boxes"], step,
@@ -236,7 +231,7 @@ def write_summaries(writers, subdir: str, step: int, result: dict, report: Repor
     """Writes the chart image, the breakdown text and the mean breakdown scalars at `step`."""
     import tensorflow as tf
 
-    from lingvo_lite.pipeline import gantt
+    from lingvo_lite.analysis import gantt
 
     figure = gantt.gantt_figure(result["boxes"], report.info, predicted=report.predicted,
                                 breakdown=result["breakdown"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import trace_analysis
+from lingvo_lite.analysis import trace_analysis
 
 __all__ = [
     "advice",

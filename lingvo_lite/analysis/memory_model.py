@@ -74,7 +74,8 @@ else the default of
 device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
 `tests/memory_model_test.py`.
 
->>> from lingvo_lite.pipeline import memory_model, partition, schedule
+>>> from lingvo_lite.analysis import memory_model
+>>> from lingvo_lite.pipeline import partition, schedule
 >>> layers = [memory_model.LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800,
 ...                                    saved_bytes=1600)] * 4
 >>> part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 2)
@@ -94,10 +95,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from lingvo_lite import base_layer
+from lingvo_lite.analysis import simulator
 from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline import simulator
 from lingvo_lite.pipeline.schedule import Phase
 
 

@@ -18,7 +18,8 @@ share one memory system slow each other down; `CoRunSlowdown` says by how much e
 runs slower while another processor is busy (measured, e.g., by timing a call beside a copy of
 itself).
 
->>> from lingvo_lite.pipeline import schedule, simulator
+>>> from lingvo_lite.analysis import simulator
+>>> from lingvo_lite.pipeline import schedule
 >>> gpipe = schedule.make_schedule("gpipe", 4, 8)
 >>> costs = simulator.PhaseCosts.uniform(4, forward=1.0, backward=2.0)
 >>> step = simulator.simulate(gpipe, costs, remat="never")
@@ -33,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from lingvo_lite.analysis import trace_analysis
 from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline import trace_analysis
 from lingvo_lite.pipeline.schedule import Action, Phase
 
 

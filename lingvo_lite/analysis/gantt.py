@@ -28,7 +28,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from lingvo_lite.pipeline import op_names, trace_analysis
+from lingvo_lite.analysis import trace_analysis
+from lingvo_lite.pipeline import op_names
 
 __all__ = [
     "device_idle_fraction",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline import trace_analysis
+from lingvo_lite.analysis import trace_analysis
 
 __all__ = ["assign_lanes", "MEASURED_PID", "PREDICTED_PID", "trace_events", "write_trace"]
 
