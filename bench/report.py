@@ -620,6 +620,65 @@ def _bubble_verdict(results: dict) -> tuple[bool, str] | None:
     return worst <= 0.05, "; ".join(parts)
 
 
+DOCS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "benchmarks")
+
+
+def _slug(title: str) -> str:
+    words = re.sub(r"\(.*?\)", "", title.split(". ", 1)[-1]).lower()
+    return "_".join(re.findall(r"[a-z0-9]+", words)[:6])
+
+
+def split_report(text: str) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    """(run description, targets table, {file name: lines}) of a rendered report: one file per
+    numbered figure, its lettered sub-figures (1a, 1b) with it."""
+    lines = text.splitlines()
+    head: list[str] = []
+    targets: list[str] = []
+    files: dict[str, list[str]] = {}
+    current: list[str] = head
+    for line in lines:
+        match = re.match(r"^## (\d+)[a-z]?\. (.*)", line)
+        if line.startswith("## Targets"):
+            current = targets
+        elif match:
+            number = int(match.group(1))
+            name = next((n for n in files if n.startswith(f"{number:02d}_")), None)
+            if name is None:
+                name = f"{number:02d}_{_slug(line[3:])}.md"
+                files[name] = []
+            current = files[name]
+        current.append(line)
+    return head, targets, files
+
+
+def write_reports(text: str, root: str) -> None:
+    """BENCHMARKS.md as one screen (the targets and their verdicts, links to the details) and
+    one file per figure under docs/benchmarks/, from a rendered report."""
+    head, targets, files = split_report(text)
+    os.makedirs(DOCS_DIR, exist_ok=True)
+    with open(os.path.join(DOCS_DIR, "README.md"), "w") as f:
+        f.write("# How the benchmarks were measured\n\n" + "\n".join(head[1:]).strip() + "\n")
+    for name, body in files.items():
+        with open(os.path.join(DOCS_DIR, name), "w") as f:
+            f.write("\n".join(body).strip() + "\n")
+    links = []
+    for name in sorted(os.listdir(DOCS_DIR)):
+        if not name.endswith(".md") or name == "README.md":
+            continue
+        with open(os.path.join(DOCS_DIR, name)) as f:
+            title = f.readline().lstrip("# ").strip()
+        links.append(f"- [{title}](docs/benchmarks/{name})")
+    screen = ["# Benchmarks", "",
+              "Ratios measured side by side in one run on a 2-core CPU machine with logical "
+              "devices standing in for accelerators; how, when and on what: "
+              "[docs/benchmarks/README.md](docs/benchmarks/README.md). Each target with its "
+              "figure and verdict:", "", *targets[2:], "## Details, one file per figure", "",
+              *links]
+    with open(os.path.join(root, "BENCHMARKS.md"), "w") as f:
+        f.write("\n".join(screen).rstrip() + "\n")
+
+
 def record_separate(name: str, title: str, body: list[str], command: str) -> str:
     """Writes bench/separate/<name>.md (title, date and load, body, how to reproduce) and
     re-renders BENCHMARKS.md from bench/results.json with it. Returns the section's path."""
@@ -639,6 +698,5 @@ def record_separate(name: str, title: str, body: list[str], command: str) -> str
     root = os.path.dirname(os.path.dirname(SEPARATE_DIR))
     with open(os.path.join(root, "bench", "results.json")) as f:
         results = json.load(f)
-    with open(os.path.join(root, "BENCHMARKS.md"), "w") as f:
-        f.write(render(results))
+    write_reports(render(results), root)
     return path
