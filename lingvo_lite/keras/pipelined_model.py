@@ -152,6 +152,14 @@ class PipelinedModel(keras.Model):
       cost_batch_size: batch size the cost model assumes when partitioning.
     """
 
+    def __new__(cls, layers: Any = None, *args: Any, **kwargs: Any) -> PipelinedModel:
+        # A functional keras.Model is cut between its graph nodes (keras/functional.py).
+        from lingvo_lite.keras import functional
+
+        if cls is PipelinedModel and functional.is_functional_model(layers):
+            cls = functional.FunctionalPipelinedModel
+        return super().__new__(cls, layers, *args, **kwargs)
+
     def __init__(self, layers: Any, input_shape: Sequence[int] | None = None,
                  num_cells: int = 1, num_micro_batches: int | None = None,
                  micro_batch_size: int | None = None, remat: str = "except_last",

@@ -1,0 +1,510 @@
+"""Keras functional models on the pipeline, cut automatically between graph nodes.
+
+`PipelinedModel(model, num_cells=K, ...)` with a functional `keras.Model` (a keras-hub
+task model wrapping a functional backbone included) lands here. `trace_model` walks its
+layer graph in topological order (Keras' `_nodes_by_depth`, as `Functional.call` runs
+it), expanding nested functional models into their layers (a subclassed layer stays
+one opaque layer); each node becomes one pipeline layer (graph_layer.py), so the
+partitioner places the K-1 cuts by cost, and every tensor live across a cut (skip
+connections, padding masks, several inputs) crosses it in the boundary NestedMap.
+
+A layer called at several nodes (shared or tied weights: GPT-2's token embedding reused
+as the output projection) keeps one variable, on the device of its first call; that
+call also sends the weights' values down the pipeline in the map, and each later call
+reads them there, so the gradient contributions of every call flow back through the cuts
+and are summed into the one variable by the same backward that carries activations.
+
+`FunctionalPipelinedModel` trains it with `compile`/`fit` (several inputs and outputs as
+the model declares them: dicts or lists; one loss per output), `predict` returns the
+model's outputs, and `get_weights`/`set_weights`/`save_weights` use the original model's
+layout. `partition_report()` adds the tensors each cut carries and their bytes per
+micro-batch to the partition table.
+
+Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
+    >>> import keras
+    >>> from lingvo_lite import devices
+    >>> from lingvo_lite.keras import PipelinedModel
+    >>> _ = devices.configure_logical_cpus(2)
+    >>> inp = keras.Input((8,), name='features')
+    >>> h = keras.layers.Dense(16, activation='relu', name='hidden')(inp)
+    >>> skip = keras.layers.Concatenate(name='skip')([inp, keras.layers.Dense(16, name='deep')(h)])
+    >>> model = keras.Model(inp, keras.layers.Dense(3, name='logits')(skip))
+    >>> pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
+    >>> pipelined.compile(optimizer='sgd', loss='mse')
+    >>> 'features' in pipelined.partition_report()   # the skip input crosses the cut
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src import tree
+from keras.src.models.functional import Functional
+
+from lingvo_lite import fprop_context
+from lingvo_lite.keras import graph_layer
+from lingvo_lite.keras.pipelined_model import PipelinedModel, _check_regularizers, _Hidden
+from lingvo_lite.layers import keras_layer
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import pipelining_layer
+
+__all__ = ["FunctionalPipelinedModel", "GraphPlan", "cut_report", "functional_pipeline_params",
+           "is_functional_model", "trace_model"]
+
+_RESERVED = {"x", "y", "sample_weight"}
+
+
+def is_functional_model(model: Any) -> bool:
+    """Whether `model` is a functional Keras model (whose call is its graph).
+
+    Example:
+        >>> inp = keras.Input((2,))
+        >>> is_functional_model(keras.Model(inp, keras.layers.Dense(1)(inp)))
+        True
+    """
+    return isinstance(model, Functional) and not isinstance(model, keras.Sequential)
+
+
+def _runs_its_graph(model: Functional) -> bool:
+    return type(model).call is Functional.call
+
+
+@dataclasses.dataclass
+class GraphNode:
+    """One call of a Keras layer or op in the graph."""
+
+    name: str
+    layer: Any
+    call: dict  # {'args': [...], 'kwargs': {...}}, tensors as graph_layer.TENSOR_REF.
+    outputs: list[str]
+    first_call: int | None = None  # For a later call of a layer with weights: its first node.
+
+
+@dataclasses.dataclass
+class GraphPlan:
+    """A functional model's graph as pipeline layers: nodes in order and tensor specs."""
+
+    input_keys: list[str]  # The model's flat inputs (model.inputs order) as map keys.
+    nodes: list[GraphNode]
+    outputs: Any  # A key, a list of keys, or {output name: key}.
+    specs: dict[str, tuple[tuple[int, ...], str]]  # key -> (shape without batch, dtype).
+    output_names: dict[str, str]  # Map name of a dict output -> the model's name for it.
+    input_struct: Any = None
+
+
+class _Namer:
+    def __init__(self) -> None:
+        self.used = set(_RESERVED)
+
+    def __call__(self, name: str) -> str:
+        key = re.sub(r"\W", "_", name) or "t"
+        if key[0].isdigit():
+            key = "t_" + key
+        base, n = key, 1
+        while key in self.used or hasattr(NestedMap, key):
+            key, n = f"{base}_{n}", n + 1
+        self.used.add(key)
+        return key
+
+
+def trace_model(model: keras.Model) -> GraphPlan:
+    """The nodes of a functional model in topological order, nested functional models
+    expanded, each tensor named by the layer that makes it."""
+    if not is_functional_model(model):
+        raise ValueError(f"trace_model needs a functional keras.Model, got {type(model).__name__}.")
+    if not _runs_its_graph(model):
+        raise ValueError(
+            f"PipelinedModel: {type(model).__name__} overrides call(), so its functional graph "
+            "is not what it computes; pipeline a model whose call is its graph.")
+    name_of = _Namer()
+    keys: dict[int, str] = {}
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def add(tensor: Any, name: str) -> str:
+        key = name_of(name)
+        keys[id(tensor)] = key
+        specs[key] = (tuple(int(d) for d in tensor.shape[1:]), str(tensor.dtype))
+        if any(d is None for d in tensor.shape[1:]):
+            raise ValueError(
+                f"PipelinedModel: tensor '{name}' has shape {tuple(tensor.shape)}; the pipeline "
+                "needs every dimension but the batch static (e.g. keras.Input((seq_len,))).")
+        return key
+
+    input_keys = [add(t, t.name) for t in model.inputs]
+    nodes: list[GraphNode] = []
+    first_call: dict[int, int] = {}
+    calls: dict[int, int] = {}
+
+    def ref(value: Any) -> Any:
+        if isinstance(value, keras.KerasTensor):
+            return {graph_layer.TENSOR_REF: keys[id(value)]}
+        if isinstance(value, (list, tuple)):
+            return [ref(v) for v in value]
+        if isinstance(value, dict):
+            return {k: ref(v) for k, v in value.items()}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise ValueError(f"PipelinedModel: a node's call argument {value!r} is not a tensor or a "
+                         "plain Python value; it cannot be described in the pipeline's params.")
+
+    def walk(graph: Functional, training: Any) -> None:
+        for depth in sorted(graph._nodes_by_depth, reverse=True):
+            for node in graph._nodes_by_depth[depth]:
+                op = node.operation
+                if op is None or node.is_input:
+                    continue
+                if any(id(t) not in keys for t in node.input_tensors):
+                    continue  # A node of another model sharing this layer.
+                kwargs = dict(node.arguments.kwargs)
+                forced = kwargs.pop("training", training)
+                if is_functional_model(op) and _runs_its_graph(op):
+                    expand(op, node, kwargs, forced)
+                    continue
+                if forced is not None and "training" in getattr(op, "_call_context_args", ()):
+                    kwargs["training"] = forced
+                count = calls.get(id(op), 0)
+                calls[id(op)] = count + 1
+                name = op.name if count == 0 else f"{op.name}_{count}"
+                outs = [add(t, name if len(node.outputs) == 1 else f"{name}_{i}")
+                        for i, t in enumerate(node.outputs)]
+                gn = GraphNode(name, op, {"args": ref(list(node.arguments.args)),
+                                          "kwargs": ref(kwargs)}, outs)
+                if isinstance(op, keras.layers.Layer) and op.variables:
+                    if id(op) in first_call:
+                        gn.first_call = first_call[id(op)]
+                        _check_shareable(op)
+                    else:
+                        first_call[id(op)] = len(nodes)
+                nodes.append(gn)
+
+    def expand(sub: Functional, node: Any, kwargs: dict, training: Any) -> None:
+        if kwargs.get("mask") is not None or len(node.arguments.args) != 1 or \
+                set(kwargs) - {"mask"}:
+            raise ValueError(
+                f"PipelinedModel: nested model '{sub.name}' is called with arguments other than "
+                "its inputs; call it on its inputs alone.")
+        outer = tree.flatten(node.arguments.args[0])
+        if len(outer) != len(sub.inputs):
+            raise ValueError(f"PipelinedModel: nested model '{sub.name}' takes "
+                             f"{len(sub.inputs)} inputs and is called with {len(outer)}.")
+        for inner, value in zip(sub.inputs, outer):
+            keys[id(inner)] = keys[id(value)]
+        walk(sub, training)
+        for inner, value in zip(sub.outputs, node.outputs):
+            keys[id(value)] = keys[id(inner)]
+
+    walk(model, None)
+    struct = model._outputs_struct
+    output_names: dict[str, str] = {}
+    if isinstance(struct, dict):
+        outputs = {}
+        for name, t in struct.items():
+            safe = re.sub(r"\W", "_", name)
+            output_names[safe] = name
+            outputs[safe] = keys[id(t)]
+    elif isinstance(struct, (list, tuple)) and len(struct) != 1:
+        outputs = [keys[id(t)] for t in struct]
+    else:
+        outputs = keys[id(tree.flatten(struct)[0])]
+    return GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct)
+
+
+def _check_shareable(layer: keras.layers.Layer) -> None:
+    for sub in layer._flatten_layers(include_self=True, recursive=True):
+        if isinstance(sub, keras.layers.BatchNormalization) or getattr(
+                sub, "_seed_generators", None):
+            raise ValueError(
+                f"PipelinedModel: Keras layer '{layer.name}' is called at several places and "
+                f"its layer '{sub.name}' ({type(sub).__name__}) changes state in its call; "
+                "only layers whose call changes no state can be shared across calls.")
+
+
+def _last_uses(plan: GraphPlan, prefixes: dict[int, str], weight_keys: dict[int, list[str]]
+               ) -> dict[str, int]:
+    """The index of the last pipeline layer reading each map key (len(nodes): the outputs)."""
+    last = {key: -1 for key in plan.specs}
+    for i, node in enumerate(plan.nodes):
+        for key in graph_layer.tensor_keys(node.call):
+            last[key] = i
+        if node.first_call is not None:
+            for key in weight_keys[node.first_call]:
+                last[prefixes[node.first_call] + key] = i
+    for key in tree.flatten(plan.outputs):
+        last[key] = len(plan.nodes)
+    return last
+
+
+def _weight_keys(layer: keras.layers.Layer) -> list[str]:
+    keys = keras_layer.variable_keys(layer)
+    return [keys[id(v)] for v in layer.trainable_variables + layer.non_trainable_variables]
+
+
+def layer_params(plan: GraphPlan) -> list[Any]:
+    """The pipeline layers of `plan`: one per node, then the outputs, then the loss."""
+    shared = {n.first_call for n in plan.nodes if n.first_call is not None}
+    prefixes = {i: f"w_{plan.nodes[i].name}__" for i in shared}
+    weight_keys = {i: _weight_keys(plan.nodes[i].layer) for i in shared}
+    last = _last_uses(plan, prefixes, weight_keys)
+    drops: dict[int, list[str]] = {}
+    for key, i in last.items():
+        if i < len(plan.nodes):
+            drops.setdefault(max(i, 0), []).append(key)
+    produced_at = {key: i for i, n in enumerate(plan.nodes) for key in n.outputs}
+    for key, i in last.items():  # Outputs nobody reads leave at once.
+        if i < produced_at.get(key, -1):
+            drops[produced_at[key]].append(key)
+    params = []
+    for i, node in enumerate(plan.nodes):
+        reads = graph_layer.tensor_keys(node.call)
+        specs = {k: [list(plan.specs[k][0]), plan.specs[k][1]] for k in reads + node.outputs}
+        config = keras_layer.serialize(node.layer)
+        if node.first_call is None and isinstance(node.layer, keras.layers.Layer):
+            _check_regularizers(node.layer, allow_weight_regularizers=True)
+            keras_layer.check_supported(node.layer)
+            p = graph_layer.GraphNodeLayer.Params().Set(
+                keras_layer=config, export_prefix=prefixes.get(i),
+                input_shape=list(plan.specs[reads[0]][0]) if reads else [1])
+        else:
+            p = graph_layer.SharedNodeLayer.Params().Set(
+                keras_layer=config,
+                import_prefix=None if node.first_call is None else prefixes[node.first_call])
+        params.append(p.Set(name=f"node_{i}_{node.name}", call=node.call, outputs=node.outputs,
+                            specs=specs, drop=sorted(set(drops.get(i, [])))))
+    params.append(graph_layer.GraphOutputLayer.Params().Set(name="outputs", outputs=plan.outputs))
+    params.append(graph_layer.GraphLossLayer.Params().Set(name="loss"))
+    return params
+
+
+def functional_pipeline_params(model: keras.Model, num_cells: int = 1,
+                               cost_batch_size: int = 1, name: str = "keras_pipeline",
+                               plan: GraphPlan | None = None, **pipeline: Any) -> Any:
+    """PipeliningLayer params of a functional model's nodes, its outputs and a loss layer.
+
+    `pipeline`: the other `PipeliningLayer.Params()` fields (num_micro_batches, remat,
+    schedule, placement, partition_method, split_points, serial_devices, ...).
+    """
+    if plan is None:
+        plan = trace_model(model)
+    with tf.Graph().as_default():
+        layers = layer_params(plan)
+    shapes = NestedMap({k: tf.TensorShape([cost_batch_size, *plan.specs[k][0]])
+                        for k in plan.input_keys})
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name=name, layers=layers, num_cells=num_cells, input_shapes=shapes, **pipeline)
+
+
+def cut_report(pipeline: pipelining_layer.PipeliningLayer, micro_batch_size: int) -> str:
+    """The tensors each cut carries (one micro-batch of `micro_batch_size` examples)."""
+    ranges = pipeline.partition.cell_layer_ranges
+    live: dict[str, tuple[list[int], str]] = {}
+    lines = [f"Tensors crossing each cut (bytes per micro-batch of {micro_batch_size}):"]
+    for i, layer in enumerate(pipeline.layers[:-2]):
+        p, name = layer.params, pipeline.params.layers[i].name
+        live.update({k: v for k, v in p.specs.items() if k not in live})
+        for k in p.drop:
+            live.pop(k, None)
+        if isinstance(layer, graph_layer.GraphNodeLayer) and p.export_prefix:
+            for key, v in zip(layer._trainable_keys + layer._non_trainable_keys,
+                              layer.keras_layer.trainable_variables
+                              + layer.keras_layer.non_trainable_variables):
+                live[p.export_prefix + key] = (None, list(v.shape), v.dtype)
+        for k in range(len(ranges) - 1):
+            if ranges[k][1] - 1 == i:
+                lines.append(f" cut {k} -> {k + 1} (after {name}):")
+                total = 0
+                for key in sorted(live):
+                    spec = live[key]
+                    if spec[0] is None:  # A shared layer's weight: no batch dimension.
+                        shape, dtype, what = spec[1], spec[2], "weight"
+                    else:
+                        shape, dtype, what = [micro_batch_size, *spec[0]], spec[1], "tensor"
+                    size = math.prod(shape) * tf.as_dtype(dtype).size
+                    total += size
+                    lines.append(f"   {key:32s} {what:6s} {str(shape):20s} {dtype:8s} {size:>10,d}")
+                lines.append(f"   {'total':32s} {'':6s} {'':20s} {'':8s} {total:>10,d}")
+    return "\n".join(lines)
+
+
+@keras.saving.register_keras_serializable(package="lingvo_lite")
+class FunctionalPipelinedModel(PipelinedModel):
+    """`PipelinedModel` of a functional Keras model (see the module doc); made by
+    `PipelinedModel(model, ...)`. `plain` is a copy of the model whose variables are the
+    pipeline's (each on its cell's device)."""
+
+    def __init__(self, layers: keras.Model, input_shape: Sequence[int] | None = None,
+                 num_cells: int = 1, num_micro_batches: int | None = None,
+                 micro_batch_size: int | None = None, remat: str = "except_last",
+                 schedule: str = "gpipe", placement: Any = "auto",
+                 partition_method: str = "min_max", split_points: Sequence[int] | None = None,
+                 serial_devices: bool = False, cost_batch_size: int = 1,
+                 name: str | None = None) -> None:
+        keras.Model.__init__(self, name=name)
+        model = layers
+        if input_shape is not None:
+            raise ValueError("PipelinedModel: a functional model declares its inputs; drop "
+                             "input_shape.")
+        settings = dict(num_cells=num_cells, num_micro_batches=num_micro_batches,
+                        micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
+                        placement=placement, partition_method=partition_method,
+                        split_points=split_points, serial_devices=serial_devices)
+        self._config = dict(layers=keras.saving.serialize_keras_object(model),
+                            cost_batch_size=cost_batch_size, **settings)
+        plan = trace_model(model)
+        params = functional_pipeline_params(model, cost_batch_size=cost_batch_size, plan=plan,
+                                            **settings)
+        pipeline = params.Instantiate()
+        plain = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
+        _share_variables(model, plain, plan, pipeline)
+        self.plain = plain
+        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan)
+        position = {id(leaf): i for i, leaf in enumerate(pipeline.theta.Flatten())}
+        self._hidden.grad_index = [position[id(v.value)] for v in plain.trainable_variables]
+        self.built = True
+
+    def partition_report(self, batch_size: int | None = None) -> str:
+        """The partition table and the tensors each cut carries per micro-batch."""
+        pipe = self.pipeline
+        batch = batch_size or self._hidden.batch_size or self._config["cost_batch_size"]
+        try:
+            micro = batch // pipe.num_micro_batches_for(batch)
+        except ValueError:
+            micro = batch
+        return pipe.partition.report() + "\n" + cut_report(pipe, micro)
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                jit_compile: Any = "auto", **kwargs: Any) -> None:
+        """`keras.Model.compile`: one loss, or one per output (a list or a dict by name)."""
+        if jit_compile is True:
+            raise ValueError(
+                "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
+                "step for one device, and the pipeline places each cell on its own); leave "
+                "jit_compile='auto' or False.")
+        if loss_weights is not None:
+            raise ValueError("PipelinedModel.compile: loss_weights are not supported for "
+                             "functional models yet; scale the losses themselves.")
+        policy = keras.mixed_precision.dtype_policy()
+        if policy.compute_dtype != policy.variable_dtype:
+            raise ValueError(f"PipelinedModel.compile: mixed precision ('{policy.name}') is not "
+                             "supported for functional models yet; use 'float32'.")
+        self.pipeline.layers[-1].set_loss(loss)
+        keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
+                            **kwargs)
+
+    # -- inputs and outputs in the model's structures --------------------------
+
+    def _input_map(self, x: Any) -> NestedMap:
+        flat = self.plain._standardize_inputs(x)
+        return NestedMap({k: self._static_batch(tf.convert_to_tensor(t))
+                          for k, t in zip(self._hidden.plan.input_keys, flat)})
+
+    def _to_map(self, value: Any) -> Any:
+        """Labels or sample weights in the map's output structure."""
+        plan = self._hidden.plan
+        if isinstance(plan.outputs, dict) and isinstance(value, dict):
+            return NestedMap({safe: self._static_batch(tf.convert_to_tensor(value[name]))
+                              for safe, name in plan.output_names.items()})
+        if isinstance(plan.outputs, list) and isinstance(value, (list, tuple)):
+            return [self._static_batch(tf.convert_to_tensor(v)) for v in value]
+        return self._static_batch(tf.convert_to_tensor(value))
+
+    def _to_keras(self, predictions: Any) -> Any:
+        plan = self._hidden.plan
+        if isinstance(plan.outputs, dict):
+            return {plan.output_names[k]: v for k, v in predictions.items()}
+        return predictions
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        pipe = self.pipeline
+        x = self._input_map(inputs)
+        collector = fprop_context.UpdateCollector() if training else None
+        with fprop_context.fprop_context(training=bool(training), updates=collector):
+            batch = x.Flatten()[0].shape[0]
+            if batch is not None and batch % pipe.num_micro_batches_for(batch) == 0:
+                out = pipe.FProp(pipe.theta, x)
+            else:
+                out = self._unsplit_forward(x)
+        if collector is not None:
+            collector.apply()
+        return self._to_keras(out.predictions)
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss, gradients, predictions, collector = self._pipelined_step(x, y, sample_weight)
+        self.optimizer.apply_gradients(zip(gradients, self.plain.trainable_variables))
+        collector.apply()
+        batch = tf.shape(tree.flatten(x)[0])[0]
+        self._loss_tracker.update_state(loss, sample_weight=batch)
+        return self.compute_metrics(x, y, predictions, sample_weight=sample_weight)
+
+    def loss_and_gradients(self, x: Any, y: Any, sample_weight: Any = None
+                           ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """One pipelined step's loss and the gradients of `plain.trainable_variables` (in
+        that order, which is the original model's); nothing is applied."""
+        loss, gradients, _, _ = self._pipelined_step(x, y, sample_weight)
+        return loss, gradients
+
+    def _pipelined_step(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
+        """(loss, gradients, predictions, side updates to apply) of one training batch."""
+        inputs = self._input_map(x)
+        inputs.y = self._to_map(y)
+        if sample_weight is not None:
+            inputs.sample_weight = self._to_map(sample_weight)
+        pipe = self.pipeline
+        collector = fprop_context.UpdateCollector()
+        with fprop_context.fprop_context(training=True, updates=collector):
+            out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+        flat = grads.Flatten()
+        gradients = [flat[i] for i in self._hidden.grad_index]
+        loss = out.loss
+        for i, v in enumerate(self.plain.trainable_variables):
+            if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
+                with tf.device(v.value.device), tf.GradientTape() as tape:
+                    penalty = tf.cast(v.regularizer(v), loss.dtype)
+                gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
+                loss = loss + penalty
+        return loss, gradients, self._to_keras(out.predictions), collector
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        return self.plain.compute_output_shape(input_shape)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any],
+                    custom_objects: Any = None) -> FunctionalPipelinedModel:
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("layers"))
+        return cls(model, **config)
+
+
+def _share_variables(model: keras.Model, plain: keras.Model, plan: GraphPlan,
+                     pipeline: pipelining_layer.PipeliningLayer) -> None:
+    """Copies the model's weights into the pipeline and makes `plain`'s variables the
+    pipeline's (same tf.Variables), so `plain` has the original layout."""
+    user_layers = list(model._flatten_layers(include_self=False, recursive=True))
+    plain_layers = list(plain._flatten_layers(include_self=False, recursive=True))
+    position = {id(layer): i for i, layer in enumerate(user_layers)}
+    shared = set()
+    for node, layer in zip(plan.nodes, pipeline.layers):
+        if not isinstance(layer, graph_layer.GraphNodeLayer):
+            continue
+        target = plain_layers[position[id(node.layer)]]
+        triples = list(zip(node.layer.variables, layer.keras_layer.variables, target.variables))
+        if not (len(node.layer.variables) == len(layer.keras_layer.variables)
+                == len(target.variables)) or any(
+                tuple(a.shape) != tuple(b.shape) for a, b, _ in triples):
+            raise ValueError(f"PipelinedModel: the weights of Keras layer '{node.layer.name}' do "
+                             "not match its rebuilt copy; is its config complete?")
+        for source, owned, alias in triples:
+            owned.assign(source.value)
+            alias._value = owned._value  # What the TF backend's Variable reads and writes.
+            shared.add(id(alias))
+    missing = [v.path for v in plain.variables if id(v) not in shared]
+    if missing:
+        raise ValueError(f"PipelinedModel: variables {missing[:3]} of the model are used by no "
+                         "pipelined layer.")

@@ -1,0 +1,385 @@
+"""Pipeline layers that run one node of a Keras functional graph on a map of live tensors.
+
+`lingvo_lite.keras.functional` turns a functional Keras model into a list of these:
+each layer reads the tensors its node was called with from the boundary NestedMap
+(every tensor still needed downstream, keyed by a readable name), calls the Keras
+layer or op with the node's own arguments (`training`, `reverse=True`, `padding_mask=`
+...), adds its outputs and drops the tensors no later node reads. So the pipeline's
+partitioner may cut between any two nodes, and whatever is live at a cut (skip
+connections, masks, several inputs) crosses it in the map.
+
+- `GraphNodeLayer`: a node whose Keras layer owns its weights here (a `KerasLayer`:
+  weights on the cell's device, dropout and batch norm exact under micro-batching).
+  When the layer is called again at later nodes (shared or tied weights), it also
+  puts its weights' values in the map (`export_prefix`), so they travel to the cells
+  of the later calls; their gradients flow back through the cuts into the one variable.
+- `SharedNodeLayer`: a later call of such a layer (its weights read from the map), or a
+  Keras op without weights (`keras.ops.add` on symbolic tensors).
+- `GraphOutputLayer`: the model's outputs (a tensor, a list or a NestedMap) as `x`,
+  beside the labels `y` and `sample_weight`, for `GraphLossLayer`: the compiled loss
+  (one per output, summed, as `Model.compile` does).
+
+Example (a skip connection: 'x' is read again by the Add node, so it stays in the map):
+    >>> import keras
+    >>> import tensorflow as tf
+    >>> from lingvo_lite.keras import functional
+    >>> inp = keras.Input((3,), name='x')
+    >>> out = keras.layers.Add(name='add')([inp, keras.layers.Dense(3, name='dense')(inp)])
+    >>> plan = functional.trace_model(keras.Model(inp, out))
+    >>> [(n.name, n.outputs) for n in plan.nodes]
+    [('dense', ['dense']), ('add', ['add'])]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src import backend as keras_backend
+from keras.src import tree
+
+from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory
+from lingvo_lite.layers import keras_flops, keras_layer, keras_loss
+from lingvo_lite.nested_map import NestedMap
+
+__all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",
+           "TENSOR_REF"]
+
+# How a node's call arguments refer to a tensor of the map: {"__tensor__": key}.
+TENSOR_REF = "__tensor__"
+
+
+def _fill(template: Any, live: NestedMap) -> Any:
+    """The node's call arguments with each tensor reference replaced by its value."""
+    if isinstance(template, dict):
+        if set(template) == {TENSOR_REF}:
+            return live[template[TENSOR_REF]]
+        return {k: _fill(v, live) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(v, live) for v in template)
+    return template
+
+
+def tensor_keys(template: Any) -> list[str]:
+    """Keys of the map tensors a call template reads, in order."""
+    if isinstance(template, dict):
+        if set(template) == {TENSOR_REF}:
+            return [template[TENSOR_REF]]
+        return [k for v in template.values() for k in tensor_keys(v)]
+    if isinstance(template, (list, tuple)):
+        return [k for v in template for k in tensor_keys(v)]
+    return []
+
+
+def _node_params(p: hyperparams.InstantiableParams) -> hyperparams.InstantiableParams:
+    p.Define("call", None, "The node's call: {'args': [...], 'kwargs': {...}}, tensors as "
+             "{'__tensor__': key} references to the map.")
+    p.Define("outputs", [], "Map keys of the node's outputs (its flattened outputs).")
+    p.Define("specs", {}, "{key: [shape without batch, dtype]} of the tensors the node reads "
+             "and writes (building, costing).")
+    p.Define("drop", [], "Map keys no later layer reads: removed after this node.")
+    return p
+
+
+def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: list[Any],
+               non_trainable: list[Any], training: bool) -> tuple[list[Any], list[bool]]:
+    """Flat outputs of the node's call on `live` with the given weight values, and which
+    non-trainable weights the call changed."""
+    call = _fill(p.call, live)
+    args, kwargs = list(call["args"]), dict(call["kwargs"])
+    if not isinstance(layer, keras.layers.Layer):
+        return tree.flatten(layer(*args, **kwargs)), []
+    if "training" in getattr(layer, "_call_context_args", ()):
+        kwargs.setdefault("training", training)
+    mapping = (list(zip(layer.trainable_variables, trainable))
+               + list(zip(layer.non_trainable_variables, non_trainable)))
+    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
+        before = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+        outputs = layer(*args, **kwargs)
+        after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+    if keras_backend.get_keras_mask(tree.flatten(outputs)[0]) is not None:
+        raise ValueError(
+            f"Keras layer '{layer.name}' returns a Keras mask (mask_zero / Masking); "
+            "pipelined functional models do not carry implicit masks yet: pass the mask "
+            "as an explicit model input (e.g. keras-hub's padding_mask).")
+    return tree.flatten(outputs), [a is not b for a, b in zip(after, before)]
+
+
+def _next_map(live: NestedMap, p: hyperparams.Params, outputs: list[Any],
+              extra: dict[str, Any] | None = None) -> NestedMap:
+    if len(outputs) != len(p.outputs):
+        raise ValueError(f"Keras node returned {len(outputs)} tensors, its graph {len(p.outputs)}.")
+    out = NestedMap({k: v for k, v in live.items() if k not in set(p.drop)})
+    for key, value in zip(p.outputs, outputs):
+        if key not in p.drop:
+            out[key] = value
+    out.update(extra or {})
+    return out
+
+
+def _shape_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any]) -> NestedMap:
+    batch = next(iter(inputs.values()))[0] if inputs else 1
+    out = NestedMap({k: v for k, v in inputs.items() if k not in set(p.drop)})
+    for key in p.outputs:
+        if key not in p.drop:
+            out[key] = tf.TensorShape([batch, *p.specs[key][0]])
+    out.update(extra)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _node_cost(p_json: str, batch: int) -> tuple[float, int, int]:
+    """(flops, params, non-trainable params) of one node on a batch, from its JSON."""
+    d = json.loads(p_json)
+    with tf.Graph().as_default():
+        layer = _build(d["keras_layer"], d["call"], d["specs"])
+        if not isinstance(layer, keras.layers.Layer):
+            flops = float(sum(math.prod([batch, *d["specs"][k][0]]) for k in d["outputs"]))
+            return flops, 0, 0
+        in_keys = tensor_keys(d["call"])
+        shapes = [[batch, *d["specs"][k][0]] for k in in_keys]
+        out_shape = [batch, *d["specs"][d["outputs"][0]][0]]
+        flops = None
+        if len(in_keys) == 1 and d["specs"][in_keys[0]][1].startswith("float"):
+            flops, _ = keras_flops.layer_flops(layer, shapes, out_shape)
+        else:
+            flops = keras_flops.formula_flops(layer, shapes, out_shape)
+            if flops is None:
+                flops = _measured_flops(layer, d["call"], d["specs"], batch)
+        params = sum(math.prod(v.shape) for v in layer.weights)
+        non_trainable = sum(math.prod(v.shape) for v in layer.non_trainable_weights)
+    return float(flops), int(params), int(non_trainable)
+
+
+def _measured_flops(layer: Any, call: Any, specs: dict, batch: int) -> float:
+    keys = list(dict.fromkeys(tensor_keys(call)))
+    tensor_specs = [tf.TensorSpec([batch, *specs[k][0]], specs[k][1]) for k in keys]
+
+    def run(*xs: tf.Tensor) -> Any:
+        filled = _fill(call, dict(zip(keys, xs)))
+        return layer(*filled["args"], **filled["kwargs"])
+
+    try:
+        graph = tf.function(run, autograph=False).get_concrete_function(*tensor_specs).graph
+        options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+        options["output"] = "none"
+        flops = float(tf.compat.v1.profiler.profile(graph, options=options).total_float_ops)
+    except (ValueError, TypeError, NotImplementedError):
+        flops = 0.0
+    return flops or float(sum(math.prod(s.shape) for s in tensor_specs))
+
+
+def _build(config: Any, call: Any, specs: dict) -> Any:
+    """A fresh Keras layer (or op) from its config, built for the node's input specs."""
+    layer = keras_layer.deserialize(config)
+    if isinstance(layer, keras.layers.Layer) and not layer.built:
+        filled = _fill(call, {k: keras.KerasTensor([None, *s], d) for k, (s, d) in specs.items()})
+        layer(*filled["args"], **filled["kwargs"])
+    return layer
+
+
+def _cost_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any],
+               own_weights: bool) -> NestedMap:
+    out = _shape_meta(p, inputs, extra)
+    batch = int(next(iter(inputs.values()))[0]) if inputs else 1
+    d = dict(keras_layer=p.keras_layer, call=p.call, specs=p.specs, outputs=p.outputs)
+    flops, params, non_trainable = _node_cost(json.dumps(d, sort_keys=True, default=str), batch)
+    if not own_weights:
+        params = non_trainable = 0
+    return base_layer.fprop_meta(flops, out, params, p.fprop_dtype or p.dtype,
+                                 non_trainable_params=non_trainable,
+                                 memory=layer_memory.MemoryRecord(weight_op_bytes=0))
+
+
+class GraphNodeLayer(keras_layer.KerasLayer):
+    """A functional-graph node whose Keras layer's weights live here; see the module doc."""
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:
+        p = _node_params(super().Params())
+        p.Define("export_prefix", None,
+                 "If set, the layer is called again at later nodes: its weights' values are "
+                 "added to the map as <export_prefix><weight key>.")
+        return p
+
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
+        p = self.params
+        ctx = fprop_context.current()
+        trainable = [theta[k] for k in self._trainable_keys]
+        non_trainable = [theta[k] for k in self._non_trainable_keys]
+        with keras_layer._Recording(keras_layer._Recorder(ctx)) as rec:
+            outputs, changed = _call_node(self._layer, p, inputs, trainable, non_trainable,
+                                          ctx.training)
+        for key, was_changed in zip(self._non_trainable_keys, changed):
+            if was_changed and key not in self._handled:
+                raise ValueError(keras_layer._state_error(self._layer, key))
+        if ctx.training and ctx.updates is not None and (self._batch_norms or self._random):
+            moments = NestedMap({f"bn_{j}": rec.moments[id(bn)]
+                                 for j, (bn, _, _) in enumerate(self._batch_norms)
+                                 if id(bn) in rec.moments})
+            ctx.updates.add(self, NestedMap(moments=moments, draws=tf.constant(1.0)))
+        extra = {}
+        if p.export_prefix:
+            # An identity read on this cell's device: later cells receive the value, and its
+            # gradient from every later call comes back through the cuts to this variable.
+            extra = {p.export_prefix + k: tf.identity(theta[k])
+                     for k in self._trainable_keys + self._non_trainable_keys}
+        return _next_map(inputs, p, outputs, extra)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
+        extra = {}
+        if p.export_prefix:
+            with tf.Graph().as_default():
+                layer = _build(p.keras_layer, p.call, p.specs)
+                keys = keras_layer.variable_keys(layer)
+                extra = {p.export_prefix + keys[id(v)]: tf.TensorShape(v.shape)
+                         for v in layer.trainable_variables + layer.non_trainable_variables}
+        return _cost_meta(p, inputs, extra, own_weights=True)
+
+
+class SharedNodeLayer(base_layer.BaseLayer):
+    """A node that calls a Keras layer with weights from the map (a later call of a shared
+    layer), or a Keras op without weights; see the module doc."""
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:
+        p = _node_params(super().Params())
+        p.Define("keras_layer", None, "The Keras layer's (or op's) serialized config.")
+        p.Define("import_prefix", None,
+                 "Map prefix of the weights of the layer's first call (None: no weights).")
+        return p
+
+    def __init__(self, params: hyperparams.InstantiableParams) -> None:
+        super().__init__(params)
+        p = self.params
+        # Built in a graph: only its structure is used (the weights come from the map).
+        with tf.Graph().as_default():
+            layer = _build(p.keras_layer, p.call, p.specs)
+        object.__setattr__(self, "_layer", layer)
+        self._weight_keys: tuple[list[str], list[str]] = ([], [])
+        if isinstance(layer, keras.layers.Layer):
+            keys = keras_layer.variable_keys(layer)
+            self._weight_keys = ([p.import_prefix + keys[id(v)] for v in layer.trainable_variables],
+                                 [p.import_prefix + keys[id(v)]
+                                  for v in layer.non_trainable_variables])
+
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
+        del theta  # No weights of its own.
+        trainable = [inputs[k] for k in self._weight_keys[0]]
+        non_trainable = [inputs[k] for k in self._weight_keys[1]]
+        outputs, _ = _call_node(self._layer, self.params, inputs, trainable, non_trainable,
+                                fprop_context.current().training)
+        return _next_map(inputs, self.params, outputs)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
+        return _cost_meta(p, inputs, {}, own_weights=False)
+
+
+def pack_outputs(structure: Any, live: Any) -> Any:
+    """The model's outputs from the map: a key -> its tensor; a list -> a list; a dict of
+    {name: key} -> a NestedMap by name."""
+    if isinstance(structure, str):
+        return live[structure]
+    if isinstance(structure, dict):
+        return NestedMap({name: pack_outputs(key, live) for name, key in structure.items()})
+    return [pack_outputs(key, live) for key in structure]
+
+
+class GraphOutputLayer(base_layer.BaseLayer):
+    """The map's model outputs as NestedMap(x=outputs[, y, sample_weight])."""
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:
+        p = super().Params()
+        p.Define("outputs", None, "Output key, list of keys, or {output name: key}.")
+        return p
+
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
+        del theta
+        out = NestedMap(x=pack_outputs(self.params.outputs, inputs))
+        for key in ("y", "sample_weight"):
+            if inputs.get(key) is not None:
+                out[key] = inputs[key]
+        return out
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
+        out = NestedMap(x=pack_outputs(p.outputs, inputs))
+        return base_layer.fprop_meta(0.0, out, 0, p.dtype)
+
+
+class GraphLossLayer(base_layer.BaseLayer):
+    """The compiled loss on the model's outputs: NestedMap(x, y[, sample_weight]) -> loss.
+
+    The loss given to `set_loss` (as to `compile`) is one loss (for every output), a list
+    (one per output, in order) or a dict by output name; several outputs' losses are summed,
+    as `Model.compile` does. Each is its micro-batch's mean ('sum_over_batch_size', Keras'
+    default: other reductions are refused), so the mean over equal micro-batches is the
+    mini-batch loss.
+    """
+
+    def __init__(self, params: hyperparams.InstantiableParams) -> None:
+        super().__init__(params)
+        self._spec: Any = None
+
+    def set_loss(self, loss: Any) -> None:
+        """Uses `loss` (any form `compile(loss=...)` takes) from now on."""
+        for entry in tree.flatten(loss) if isinstance(loss, (dict, list, tuple)) else [loss]:
+            if entry is None:
+                continue
+            reduction = getattr(keras_loss.make_loss(entry), "reduction", None)
+            if reduction not in (None, "sum_over_batch_size"):
+                raise ValueError(
+                    f"PipelinedModel: loss reduction {reduction!r} is not supported for "
+                    "functional models yet; use the default 'sum_over_batch_size'.")
+        self._spec = loss
+
+    @property
+    def loss(self) -> Any:
+        return self._spec
+
+    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
+        del theta  # No weights.
+        out = NestedMap(predictions=inputs.x)
+        if inputs.get("y") is None:
+            return out
+        if self._spec is None:
+            raise ValueError(f"{self.path}: no loss to train with; compile the model with "
+                             "loss=....")
+        if not isinstance(inputs.x, (NestedMap, list)):
+            out.loss = self._one_loss(self._spec, inputs.y, inputs.x, inputs.get("sample_weight"))
+            return out
+        names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
+        weight = inputs.get("sample_weight")
+        total = tf.constant(0.0)
+        for i, name in enumerate(names):
+            if isinstance(self._spec, dict):
+                loss = self._spec.get(name)
+            elif isinstance(self._spec, (list, tuple)):
+                loss = self._spec[i]
+            else:
+                loss = self._spec
+            if loss is not None:
+                w = weight[name] if isinstance(weight, (dict, list)) else weight
+                total += self._one_loss(loss, inputs.y[name], inputs.x[name], w)
+        out.loss = total
+        return out
+
+    @staticmethod
+    def _one_loss(loss: Any, y: Any, x: Any, sample_weight: Any) -> tf.Tensor:
+        return tf.cast(keras_loss.make_loss(loss)(y, x, sample_weight=sample_weight), tf.float32)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
+        x = inputs.x if isinstance(inputs, NestedMap) else inputs
+        elements = sum(int(tf.TensorShape(s).num_elements() or 0)
+                       for s in NestedMap(x=x).Flatten())
+        out = NestedMap(predictions=x, loss=tf.TensorShape([]))
+        return base_layer.fprop_meta(keras_loss.LOSS_FLOPS_PER_ELEMENT * elements, out, 0,
+                                     tf.float32)

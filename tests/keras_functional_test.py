@@ -1,0 +1,260 @@
+"""Functional Keras models pipelined by PipelinedModel, against the plain model.
+
+Every check compares with the same functional model run by Keras with the same weights:
+one step's loss and every gradient, and the weights after a few `fit` steps (SGD, Adam).
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_lite.keras import PipelinedModel
+from lingvo_lite.keras.graph_layer import GraphNodeLayer, SharedNodeLayer
+
+GRAD_TOL = 2e-5
+WEIGHT_TOL = 2e-5
+
+
+def skip_model() -> keras.Model:
+    """Seven nodes; the input and an early activation are read again at the end."""
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((6,), name="features")
+    h1 = keras.layers.Dense(12, activation="tanh", name="h1")(inp)
+    h2 = keras.layers.Dense(12, activation="tanh", name="h2")(h1)
+    h3 = keras.layers.Dense(12, activation="tanh", name="h3")(h2)
+    h4 = keras.layers.Dense(12, activation="tanh", name="h4")(h3)
+    added = keras.layers.Add(name="skip_add")([h1, h4])
+    joined = keras.layers.Concatenate(name="skip_cat")([inp, added])
+    return keras.Model(inp, keras.layers.Dense(3, name="logits")(joined))
+
+
+def two_in_two_out_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    a = keras.Input((5,), name="a")
+    b = keras.Input((4,), name="b")
+    ha = keras.layers.Dense(8, activation="relu", name="ha")(a)
+    hb = keras.layers.Dense(8, activation="tanh", name="hb")(b)
+    joint = keras.layers.Dense(8, activation="tanh", name="joint")(
+        keras.layers.Concatenate(name="cat")([ha, hb]))
+    deep = keras.layers.Dense(8, activation="tanh", name="deep")(joint)
+    score = keras.layers.Dense(1, name="score")(keras.layers.Add(name="res")([deep, hb]))
+    cls = keras.layers.Dense(3, name="cls")(deep)
+    return keras.Model({"a": a, "b": b}, {"score": score, "cls": cls})
+
+
+def tied_model() -> keras.Model:
+    """One Dense called by the first node and the last (its kernel in the first cell)."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((8,), name="x_in")
+    tied = keras.layers.Dense(8, activation="tanh", name="tied")
+    h = tied(inp)
+    for i in range(3):
+        h = keras.layers.Dense(8, activation="tanh", name=f"mid{i}")(h)
+    return keras.Model(inp, tied(h))
+
+
+def task_with_backbone() -> keras.Model:
+    """A task model wrapping a functional backbone (expanded into its layers)."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((6,), name="backbone_in")
+    h = keras.layers.Dense(10, activation="tanh", name="b1")(inp)
+    h = keras.layers.Dense(10, activation="tanh", name="b2")(h)
+    backbone = keras.Model(inp, keras.layers.Add(name="b_skip")([h, keras.layers.Dense(
+        10, name="b3")(h)]), name="backbone")
+    task_in = keras.Input((6,), name="task_in")
+    features = backbone(task_in)
+    return keras.Model(task_in, keras.layers.Dense(4, name="head")(features))
+
+
+def batch(n: int = 8, seed: int = 0, dims: int = 6, out: int = 3):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, dims)).astype("float32"),
+            rng.normal(size=(n, out)).astype("float32"))
+
+
+def dict_batch(n: int = 8, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = {"a": rng.normal(size=(n, 5)).astype("float32"),
+         "b": rng.normal(size=(n, 4)).astype("float32")}
+    y = {"score": rng.normal(size=(n, 1)).astype("float32"),
+         "cls": rng.integers(0, 3, size=n).astype("int32")}
+    return x, y
+
+
+DICT_LOSS = {"score": "mse",
+             "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+
+
+def plain_loss_and_grads(model: keras.Model, x, y):
+    with tf.GradientTape() as tape:
+        pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=pred)
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+def check_step(model: keras.Model, loss, x, y, **pipeline) -> float:
+    """Asserts the pipelined loss and gradients equal the plain model's; the max diff."""
+    pipelined = PipelinedModel(model, **pipeline)
+    pipelined.compile(optimizer="sgd", loss=loss)
+    model.compile(optimizer="sgd", loss=loss)
+    want_loss, want = plain_loss_and_grads(model, x, y)
+    got_loss, got = pipelined.loss_and_gradients(x, y)
+    assert abs(float(got_loss) - float(want_loss)) < 1e-5
+    assert len(got) == len(want) == len(model.trainable_variables)
+    worst = 0.0
+    for v, g, w in zip(model.trainable_variables, got, want):
+        diff = float(np.abs(np.asarray(g) - np.asarray(w)).max())
+        assert diff < GRAD_TOL, (v.path, diff)
+        worst = max(worst, diff)
+    return worst
+
+
+def check_fit(make_model, loss, x, y, optimizer: str, **pipeline) -> float:
+    model = make_model()
+    pipelined = PipelinedModel(model, **pipeline)
+    pipelined.compile(optimizer=keras.optimizers.get(optimizer), loss=loss)
+    model.compile(optimizer=keras.optimizers.get(optimizer), loss=loss)
+    pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    worst = max(float(np.abs(a - b).max())
+                for a, b in zip(pipelined.get_weights(), model.get_weights()))
+    assert worst < WEIGHT_TOL, worst
+    assert any(float(np.abs(a - b).max()) > 1e-3  # The weights did move.
+               for a, b in zip(pipelined.get_weights(), make_model().get_weights()))
+    return worst
+
+
+@pytest.mark.parametrize("num_cells", [1, 2, 4])
+@pytest.mark.parametrize("num_micro_batches", [1, 2, 4])
+def test_skip_connections_step_matches_plain(num_cells, num_micro_batches):
+    x, y = batch()
+    check_step(skip_model(), "mse", x, y, num_cells=num_cells,
+               num_micro_batches=num_micro_batches)
+
+
+@pytest.mark.parametrize("schedule,remat", [("1f1b", "always"), ("gpipe", "never"),
+                                            ("1f1b", "except_last")])
+def test_skip_connections_schedules_and_remat(schedule, remat):
+    x, y = batch()
+    check_step(skip_model(), "mse", x, y, num_cells=4, num_micro_batches=4,
+               schedule=schedule, remat=remat)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_skip_connections_fit_matches_plain(optimizer):
+    x, y = batch(16)
+    check_fit(skip_model, "mse", x, y, optimizer, num_cells=4, num_micro_batches=2)
+
+
+def test_cut_report_names_the_skip_tensors_and_bytes():
+    pipelined = PipelinedModel(skip_model(), num_cells=4, num_micro_batches=2)
+    report = pipelined.partition_report(batch_size=8)
+    # The model's input is read by the last Concatenate: it crosses every cut.
+    assert report.count("features ") == 3, report
+    # 4 examples x 6 float32 per micro-batch.
+    assert "[4, 6]" in report and " 96" in report, report
+    assert "h1 " in report  # The Add's skip operand crosses the middle cut(s).
+
+
+def test_several_inputs_and_outputs_as_dicts():
+    x, y = dict_batch()
+    check_step(two_in_two_out_model(), DICT_LOSS, x, y, num_cells=2, num_micro_batches=2)
+    model = two_in_two_out_model()
+    pipelined = PipelinedModel(model, num_cells=3, num_micro_batches=4)
+    got, want = pipelined.predict(x, verbose=0), model.predict(x, verbose=0)
+    assert set(got) == {"score", "cls"}
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_several_inputs_and_outputs_fit(optimizer):
+    x, y = dict_batch(16)
+    check_fit(two_in_two_out_model, DICT_LOSS, x, y, optimizer, num_cells=2,
+              num_micro_batches=2)
+
+
+def test_tied_weight_in_first_and_last_cell():
+    x, y = batch(dims=8, out=8)
+    model = tied_model()
+    pipelined = PipelinedModel(model, num_cells=3, num_micro_batches=2)
+    pipe = pipelined.pipeline
+    first, last = pipe.layers[0], pipe.layers[len(pipe.layers) - 3]
+    assert isinstance(first, GraphNodeLayer) and isinstance(last, SharedNodeLayer)
+    assert pipe.partition.cell_of_layer(0) == 0
+    assert pipe.partition.cell_of_layer(len(pipe.layers) - 3) == 2
+    # One variable per weight, on the first cell's device.
+    assert len(pipe.theta.Flatten()) == len(model.trainable_variables)
+    assert all(v.device.endswith("CPU:0") for v in first.vars.Flatten())
+    assert "w_tied__kernel" in pipelined.partition_report(8)
+    for remat in ("always", "never"):
+        check_step(tied_model(), "mse", x, y, num_cells=3, num_micro_batches=2, remat=remat)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_tied_weight_fit(optimizer):
+    x, y = batch(16, dims=8, out=8)
+    check_fit(tied_model, "mse", x, y, optimizer, num_cells=3, num_micro_batches=4,
+              schedule="1f1b")
+
+
+def test_nested_functional_backbone_is_expanded():
+    x, y = batch(out=4)
+    pipelined = PipelinedModel(task_with_backbone(), num_cells=2, num_micro_batches=2)
+    names = [p.name for p in pipelined.pipeline.params.layers]
+    assert names[:4] == ["node_0_b1", "node_1_b2", "node_2_b3", "node_3_b_skip"], names
+    check_step(task_with_backbone(), "mse", x, y, num_cells=2, num_micro_batches=4)
+    x16, y16 = batch(16, out=4)
+    check_fit(task_with_backbone, "mse", x16, y16, "adam", num_cells=2, num_micro_batches=2)
+
+
+def test_weights_in_the_original_layout(tmp_path):
+    model = task_with_backbone()
+    pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
+    x, y = batch(16, out=4)
+    pipelined.compile(optimizer="adam", loss="mse")
+    pipelined.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "w.weights.h5")
+    pipelined.save_weights(path)
+    fresh = task_with_backbone()
+    fresh.load_weights(path)
+    for a, b in zip(fresh.get_weights(), pipelined.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    pipelined.set_weights(model.get_weights())
+    np.testing.assert_allclose(pipelined.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)
+
+
+class _Residual(keras.Model):
+    def call(self, x):
+        return x
+
+
+def test_refusals_are_one_line():
+    inp = keras.Input((4,))
+    shared_dropout = keras.layers.Dropout(0.5, name="drop")
+    h = shared_dropout(keras.layers.Dense(4)(inp))
+    with pytest.raises(ValueError, match="'drop' is called at several places"):
+        PipelinedModel(keras.Model(inp, shared_dropout(h)), num_cells=2)
+    tokens = keras.Input((5,), dtype="int32")
+    masked = keras.layers.Embedding(10, 4, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.GlobalAveragePooling1D()(masked))
+    pipelined = PipelinedModel(model, num_cells=1)
+    with pytest.raises(ValueError, match="returns a Keras mask"):
+        pipelined.predict(np.ones((2, 5), "int32"), verbose=0)
+    with pytest.raises(ValueError, match="declares its inputs; drop input_shape"):
+        PipelinedModel(skip_model(), input_shape=(6,))
+    pipelined = PipelinedModel(skip_model(), num_cells=2)
+    with pytest.raises(ValueError, match="loss_weights are not supported"):
+        pipelined.compile(loss="mse", loss_weights=[2.0])
+    with pytest.raises(ValueError, match="jit_compile=True is not supported"):
+        pipelined.compile(loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match="reduction 'sum' is not supported"):
+        pipelined.compile(loss=keras.losses.MeanSquaredError(reduction="sum"))
+    for message in ("'drop' is called at several places",):
+        assert "\n" not in message
