@@ -33,7 +33,7 @@ def setup(num_devices: int, intra_op_threads: int, inter_op_threads: int) -> Non
 def _transformer_block_cls():
     import tensorflow as tf
 
-    from lingvo_lite import base_layer, hyperparams
+    from lingvo_lite import base_layer, hyperparams, layer_memory
     from lingvo_lite.layers import attention, feedforward, normalization
 
     class TransformerBlock(base_layer.BaseLayer):
@@ -78,7 +78,7 @@ def _transformer_block_cls():
                 params += metas[-1].num_params
             # The residual adds keep nothing: the children's tensors are all.
             return base_layer.fprop_meta(flops, shape, params, tf.float32,
-                                         **base_layer.composite_memory(metas))
+                                         memory=layer_memory.composite(metas))
 
     return TransformerBlock
 

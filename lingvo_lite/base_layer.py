@@ -8,8 +8,9 @@ with respect to them, and recompute the forward later.
 
 `FPropMeta(p, *input_shapes)` is a classmethod cost model that needs neither
 variables nor data: forward flops, output shapes, parameter count and output
-activation bytes. The partitioner balances cells with it, and
-`trainer.py --mode=inspect_model` describes models far too large to allocate.
+activation bytes, and optionally a memory record (`layer_memory`). The partitioner
+balances cells with it, and `trainer.py --mode=inspect_model` describes models far too
+large to allocate.
 
 A layer with children declares them once, from its Params, in the classmethod
 `declare_children(p)`: construction creates exactly those children, and
@@ -73,59 +74,6 @@ def activation_bytes(shapes: Any, dtype: tf.DType = tf.float32) -> int:
 
 EXTRA_PARAM_COUNTS = ("non_trainable_params", "training_only_params")
 
-# Bytes a layer keeps for its backward, per byte of its output, when its FPropMeta gives no
-# `saved_activation_bytes`: its output (each op's output is what TensorFlow keeps for the
-# gradient; the layer's input is the previous layer's output). Measured with oneDNN on: about
-# 1x for dense layers (matmul, bias and activation fused) and for conv/batch-norm ops; layers
-# with larger internals (attention, wide feed-forward, AmoebaNet cells) give their own sum.
-DEFAULT_SAVED_ACTIVATION_FACTOR = 1.0
-# The default gradient temporaries (`backward_temporary_bytes`), fitted on the Transformer
-# blocks of bench/bench_lib.py (BENCHMARKS.md section 9).
-DEFAULT_GRADIENT_TEMPORARY_FACTOR = 2.0
-DEFAULT_SAVED_GRADIENT_FRACTION = 0.5
-
-
-def saved_activation_bytes(meta: NestedMap) -> int:
-    """Bytes of activations `meta`'s layer keeps for its backward (whole mini-batch).
-
-    The layer's own estimate when its FPropMeta gave one, else
-    `DEFAULT_SAVED_ACTIVATION_FACTOR` x its output bytes.
-
-    >>> m = fprop_meta(0, tf.TensorShape([8, 4]))  # 128 output bytes, no estimate.
-    >>> saved_activation_bytes(m)
-    128
-    """
-    saved = meta.get("saved_activation_bytes")
-    if saved is None:
-        return int(DEFAULT_SAVED_ACTIVATION_FACTOR * meta.out_bytes)
-    return int(saved)
-
-
-def backward_temporary_bytes(meta: NestedMap) -> int:
-    """Bytes of gradient temporaries while back-propagating through `meta`'s layer (whole
-    mini-batch), beyond what it saved.
-
-    The layer's own `backward_temporary_bytes` when its FPropMeta set one, else the default:
-    at least the gradient flowing in and the one going out (`DEFAULT_GRADIENT_TEMPORARY_FACTOR`
-    x its output), and for layers with large internal activations (attention probabilities, a
-    wide hidden layer) `DEFAULT_SAVED_GRADIENT_FRACTION` of what it saved.
-
-    >>> m = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
-    >>> backward_temporary_bytes(m)  # max(2 x 128, 0.5 x 1024)
-    512
-    """
-    declared = meta.get("backward_temporary_bytes")
-    if declared is not None:
-        return int(declared)
-    return default_backward_temporary_bytes(meta.out_bytes, saved_activation_bytes(meta))
-
-
-def default_backward_temporary_bytes(out_bytes: int, saved_bytes: int) -> int:
-    """The default estimate of `backward_temporary_bytes()` for a layer with these output and
-    saved-activation bytes."""
-    return int(max(DEFAULT_GRADIENT_TEMPORARY_FACTOR * out_bytes,
-                   DEFAULT_SAVED_GRADIENT_FRACTION * saved_bytes))
-
 
 def extra_param_counts(metas: Any) -> dict[str, int]:
     """Sums of the children's `non_trainable_params` and `training_only_params`."""
@@ -134,13 +82,7 @@ def extra_param_counts(metas: Any) -> dict[str, int]:
 
 def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
                dtype: tf.DType = tf.float32, non_trainable_params: int = 0,
-               training_only_params: int = 0,
-               saved_activation_bytes: int | None = None,
-               weight_op_bytes: int | None = None,
-               backward_temporary_bytes: int | None = None,
-               inline_backward_temporary_bytes: int | None = None,
-               deferring_backward_temporary_bytes: int | None = None,
-               saved_covers_input: bool = False) -> NestedMap:
+               training_only_params: int = 0, memory: Any = None) -> NestedMap:
     """Builds the NestedMap every `FPropMeta` returns.
 
     Args:
@@ -154,29 +96,13 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         (`extra_param_counts`).
       training_only_params: how many of the trainable ones only serve training (e.g.
         an auxiliary head's), which papers leave out of a model's size.
-      saved_activation_bytes: bytes of activations the layer keeps from its forward for
-        its backward on the whole mini-batch (the planner's memory model); None: the
-        default, `DEFAULT_SAVED_ACTIVATION_FACTOR` x out_bytes (`saved_activation_bytes()`).
-      weight_op_bytes: bytes of the inputs and output gradients of the ops that apply its
-        weights through `layers.weight_ops` (a matmul's input and output), for the whole
-        mini-batch: what a deferred weight gradient holds from B to W (zero-bubble, batched
-        weight gradients). None: not declared (the memory model then estimates it).
-      backward_temporary_bytes: bytes of gradient temporaries while back-propagating through
-        the layer, beyond what it saved (whole mini-batch); None: the default estimate
-        (`backward_temporary_bytes()`).
-      inline_backward_temporary_bytes: the most its backward holds beyond its saved
-        activations when each is freed as soon as the backward has passed its last reader
-        (an inline backward, or a re-computing one that does not defer weight gradients);
-        None: `backward_temporary_bytes`, as if all stayed until the end.
-      deferring_backward_temporary_bytes: the same for an inline backward that defers its
-        weight gradients (zero-bubble's B of a micro-batch that kept its activations): the
-        records of the sub-layers it has passed stay until W. None: the inline figure.
-      saved_covers_input: True when `saved_activation_bytes` lists exactly the tensors the
-        layer's gradients read, its input included where they read it (attention, AmoebaNet
-        cells): nothing else need hold the input for its backward. False (the default
-        estimate's convention): the input is the previous layer's output, counted there,
-        and a pipeline cell that starts with this layer keeps its received input until the
-        backward (`saved_covers_input()`).
+      memory: optionally, the layer's memory declarations, a `layer_memory.MemoryRecord`
+        (what it keeps for its backward, its gradient temporaries); the memory model uses
+        defaults for whatever is not declared.
+
+    >>> meta = fprop_meta(2 * 8 * 4 * 4, tf.TensorShape([8, 4]), num_params=20)
+    >>> meta.flops, meta.out_bytes, meta.num_params
+    (256.0, 128, 20)
     """
     if not isinstance(out_shapes, tuple):
         out_shapes = (out_shapes,)
@@ -188,121 +114,9 @@ def fprop_meta(flops: float, out_shapes: Any, num_params: int = 0,
         training_only_params=int(training_only_params),
         out_bytes=activation_bytes(out_shapes, dtype),
     )
-    if saved_activation_bytes is not None:
-        meta.saved_activation_bytes = int(saved_activation_bytes)
-    if weight_op_bytes is not None:
-        meta.weight_op_bytes = int(weight_op_bytes)
-    if backward_temporary_bytes is not None:
-        meta.backward_temporary_bytes = int(backward_temporary_bytes)
-    if inline_backward_temporary_bytes is not None:
-        meta.inline_backward_temporary_bytes = int(inline_backward_temporary_bytes)
-    if deferring_backward_temporary_bytes is not None:
-        meta.deferring_backward_temporary_bytes = int(deferring_backward_temporary_bytes)
-    if saved_covers_input:
-        meta.saved_covers_input = True
+    if memory is not None:
+        meta.memory = memory
     return meta
-
-
-def saved_covers_input(meta: NestedMap) -> bool:
-    """Whether `meta`'s saved activations already count what its backward reads of its input
-    (`fprop_meta(saved_covers_input=...)`).
-
-    Measured (BENCHMARKS.md section 9): an AmoebaNet cell on a pipeline's second device keeps
-    no copy of its received input beside its saved tensors. Its first op, a ReLU, overwrites
-    the received buffer in place, and that buffer is the ReLU output the cell's saved bytes
-    count. A dense layer's weight gradient reads its input, which its saved bytes (its
-    output) leave to the layer before it.
-
-    >>> saved_covers_input(fprop_meta(0, tf.TensorShape([8, 4])))
-    False
-    >>> first = fprop_meta(0, tf.TensorShape([8, 4]), saved_covers_input=True)
-    >>> saved_covers_input(fprop_meta(0, tf.TensorShape([8, 4]), **composite_memory(
-    ...     [first, fprop_meta(0, tf.TensorShape([8, 4]))])))  # A chain: its first layer's.
-    True
-    """
-    return bool(meta.get("saved_covers_input", False))
-
-
-def weight_op_bytes(metas: Sequence[NestedMap]) -> int | None:
-    """The sum of the layers' declared `weight_op_bytes`; None if a layer with trainable
-    weights declared none (a composite layer cannot declare a complete sum).
-
-    >>> weight_op_bytes([fprop_meta(0, [2], num_params=3, weight_op_bytes=40),
-    ...                  fprop_meta(0, [2])])  # No weights: nothing to declare.
-    40
-    """
-    total = 0
-    for m in metas:
-        declared = m.get("weight_op_bytes")
-        if declared is None:
-            if int(m.num_params) > int(m.get("non_trainable_params", 0)):
-                return None
-            continue
-        total += int(declared)
-    return total
-
-
-def deferring_backward_temporary_bytes(metas: Sequence[NestedMap]) -> int:
-    """The most a chain of `metas`' layers holds beyond its saved activations while an
-    inline backward that defers weight gradients passes it: back-propagating through layer
-    i, its own temporaries (as deferring, else held), plus what the layers after i, already
-    passed, keep for W beyond what they saved (their output gradients: a matmul's input is
-    saved, its output's gradient is not; an undeclared layer with weights: its output).
-
-    >>> a = fprop_meta(0, tf.TensorShape([8, 4]), num_params=16, weight_op_bytes=256,
-    ...                saved_activation_bytes=128, backward_temporary_bytes=100)
-    >>> deferring_backward_temporary_bytes([a, a])  # Through the first: 100 + (256 - 128).
-    228
-    """
-    worst, passed = 0, 0
-    for m in reversed(metas):
-        own = m.get("deferring_backward_temporary_bytes")
-        worst = max(worst, (backward_temporary_bytes(m) if own is None else int(own)) + passed)
-        if int(m.num_params) > int(m.get("non_trainable_params", 0)):
-            deferred = m.get("weight_op_bytes")
-            passed += (int(m.out_bytes) if deferred is None
-                       else max(0, int(deferred) - saved_activation_bytes(m)))
-    return worst
-
-
-def wrapped_memory(meta: NestedMap) -> dict[str, Any]:
-    """The memory arguments of `fprop_meta` for a layer that runs one sub-layer and adds
-    nothing (e.g. one that picks its input from a NestedMap): the sub-layer's declarations.
-
-    >>> sub = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=64,
-    ...                  inline_backward_temporary_bytes=32)
-    >>> wrapped_memory(sub)["inline_backward_temporary_bytes"]
-    32
-    """
-    return dict(saved_activation_bytes=saved_activation_bytes(meta),
-                weight_op_bytes=meta.get("weight_op_bytes"),
-                backward_temporary_bytes=backward_temporary_bytes(meta),
-                inline_backward_temporary_bytes=meta.get("inline_backward_temporary_bytes"),
-                deferring_backward_temporary_bytes=meta.get(
-                    "deferring_backward_temporary_bytes"),
-                saved_covers_input=saved_covers_input(meta))
-
-
-def composite_memory(metas: Sequence[NestedMap], saved_extra: int = 0) -> dict[str, Any]:
-    """The memory arguments of `fprop_meta` for a layer that runs `metas`' layers one after
-    another: it keeps what they keep (plus `saved_extra` bytes of its own), defers what they
-    defer, its gradient temporaries are its largest child's (it back-propagates through one
-    child after another; deferring, beside the records of the children it passed:
-    `deferring_backward_temporary_bytes`), and its saved bytes cover its input when its first
-    child's do.
-
-    >>> a = fprop_meta(0, tf.TensorShape([8, 4]), saved_activation_bytes=1024)
-    >>> b = fprop_meta(0, tf.TensorShape([8, 4]))  # Saves its output, 128 bytes.
-    >>> composite_memory([a, b])["saved_activation_bytes"], composite_memory([a, b])[
-    ...     "backward_temporary_bytes"]
-    (1152, 512)
-    """
-    return dict(
-        saved_activation_bytes=saved_extra + sum(saved_activation_bytes(m) for m in metas),
-        weight_op_bytes=weight_op_bytes(metas),
-        backward_temporary_bytes=max(map(backward_temporary_bytes, metas), default=None),
-        deferring_backward_temporary_bytes=deferring_backward_temporary_bytes(metas),
-        saved_covers_input=bool(metas) and saved_covers_input(metas[0]))
 
 
 class BaseLayer(tf.Module):
@@ -546,6 +360,5 @@ def _with_init(
     return dataclasses.replace(wp, init=init)
 
 
-__all__ = ["BaseLayer", "fprop_meta", "activation_bytes", "saved_activation_bytes",
-           "saved_covers_input", "extra_param_counts", "to_shape", "weight_op_bytes",
-           "DEFAULT_SAVED_ACTIVATION_FACTOR", "EXTRA_PARAM_COUNTS"]
+__all__ = ["BaseLayer", "fprop_meta", "activation_bytes", "extra_param_counts", "to_shape",
+           "EXTRA_PARAM_COUNTS"]

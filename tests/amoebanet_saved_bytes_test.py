@@ -72,7 +72,7 @@ class SavedBytesTest(tf.test.TestCase):
                     x = tf.random.stateless_normal([BATCH, 8, 8, cin], seed=[1, 2])
                     meta = p.cls.FPropMeta(p, x.shape)
                     total, inputs_read = _read_by_gradient(p.Instantiate(), x)
-                    self.assertEqual(meta.saved_activation_bytes, total)
+                    self.assertEqual(meta.memory.saved_activation_bytes, total)
                     self.assertEqual(meta.kept_input, inputs_read[0])
 
     def test_cells(self):
@@ -95,7 +95,7 @@ class SavedBytesTest(tf.test.TestCase):
                         meta = p.cls.FPropMeta(p, NestedMap(x=inputs.x.shape,
                                                             prev_x=inputs.prev_x.shape))
                         total, _ = _read_by_gradient(p.Instantiate(), inputs)
-                        self.assertEqual(meta.saved_activation_bytes, total)
+                        self.assertEqual(meta.memory.saved_activation_bytes, total)
 
 
 if __name__ == "__main__":

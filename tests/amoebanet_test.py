@@ -221,8 +221,8 @@ class AmoebaNetLayersTest(tf.test.TestCase):
         p = an.FactorizedReductionLayer.Params().Set(name="fr", input_dim=4, output_dim=4,
                                                      stride=2, pre_relu=True)
         meta = p.cls.FPropMeta(p, tf.TensorShape([2, 8, 8, 4]))
-        self.assertEqual(meta.backward_temporary_bytes, 6144)
-        self.assertEqual(meta.inline_backward_temporary_bytes, 6144 - 1536)
+        self.assertEqual(meta.memory.backward_temporary_bytes, 6144)
+        self.assertEqual(meta.memory.inline_backward_temporary_bytes, 6144 - 1536)
 
     # ---- cells -----------------------------------------------------------------------------------
 

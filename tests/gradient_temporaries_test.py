@@ -33,7 +33,7 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite import base_layer, fprop_context, layer_memory
 from lingvo_lite.layers import attention
 
 case = json.loads(sys.argv[1])
@@ -64,9 +64,9 @@ for _ in range(3):
     grads = step(x, dy)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     del grads
-    excess.append(peak - before - base_layer.saved_activation_bytes(meta) - returned)
+    excess.append(peak - before - layer_memory.saved_activation_bytes(meta) - returned)
 print(json.dumps({"measured": statistics.median(excess),
-                  "declared": base_layer.backward_temporary_bytes(meta)}))
+                  "declared": layer_memory.backward_temporary_bytes(meta)}))
 """
 
 

@@ -113,7 +113,8 @@ if __name__ == "__main__":
 _LEVELS = ("params", "layers", "pipeline", "tasks", "analysis", "trainer")
 _LEVEL_OF_MODULE = {
     "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
-    "base_layer": "layers", "weight_params": "layers", "fprop_context": "layers",
+    "base_layer": "layers", "layer_memory": "layers", "weight_params": "layers",
+    "fprop_context": "layers",
     "devices": "layers", "colocation": "layers", "layers": "layers",
     "pipeline": "pipeline", "analysis": "analysis",
     "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite import base_layer, fprop_context, layer_memory
 from lingvo_lite.layers import attention, dropout, feedforward, normalization
 from lingvo_lite.nested_map import NestedMap
 from tasks.mt import layers as mt
@@ -88,7 +88,7 @@ class TransformerSavedBytesTest(tf.test.TestCase):
 
     def _check(self, p, x, *meta_args):
         meta = p.cls.FPropMeta(p, *(meta_args or (x.shape,)))
-        self.assertEqual(base_layer.saved_activation_bytes(meta),
+        self.assertEqual(layer_memory.saved_activation_bytes(meta),
                          _read_by_gradient(p.Instantiate(), x))
 
     def test_dropout_keeps_its_boolean_mask_only(self):
@@ -100,7 +100,7 @@ class TransformerSavedBytesTest(tf.test.TestCase):
                 x = tf.random.normal([B, S, D])
                 self._check(p, x)
                 mask = B * D if dims else B * S * D
-                self.assertEqual(base_layer.saved_activation_bytes(
+                self.assertEqual(layer_memory.saved_activation_bytes(
                     p.cls.FPropMeta(p, x.shape)), mask * tf.bool.size)
 
     def test_layer_norm(self):
@@ -120,7 +120,7 @@ class TransformerSavedBytesTest(tf.test.TestCase):
                     self._check(p, x)
                 else:  # Its input is the previous layer's output, counted there.
                     meta = p.cls.FPropMeta(p, x.shape)
-                    self.assertEqual(base_layer.saved_activation_bytes(meta),
+                    self.assertEqual(layer_memory.saved_activation_bytes(meta),
                                      _read_by_gradient(p.Instantiate(), x)
                                      - base_layer.activation_bytes(x.shape))
 
@@ -137,7 +137,7 @@ class TransformerSavedBytesTest(tf.test.TestCase):
 
         x = tf.random.normal([B, S, D])
         meta = p.cls.FPropMeta(p, x.shape, x.shape, x.shape)
-        self.assertEqual(base_layer.saved_activation_bytes(meta),
+        self.assertEqual(layer_memory.saved_activation_bytes(meta),
                          _read_by_gradient(SelfAttention, x))
 
     def test_transformer_layers(self):
@@ -152,7 +152,7 @@ class TransformerSavedBytesTest(tf.test.TestCase):
                 meta = p.cls.FPropMeta(p, shapes)
                 if p.cls is not mt.EmbeddingInputLayer:  # It declares no estimate.
                     with self.subTest(layer=p.name, dropout_prob=dropout_prob):
-                        self.assertEqual(base_layer.saved_activation_bytes(meta),
+                        self.assertEqual(layer_memory.saved_activation_bytes(meta),
                                          _read_by_gradient(layer, x))
                 with fprop_context.fprop_context(training=True, step_seed=3):
                     x = layer.FProp(layer.theta, x)

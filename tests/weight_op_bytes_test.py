@@ -61,7 +61,7 @@ def test_declared_bytes_are_the_records(name):
     params = params.Copy().Set(name=name)
     layer = params.Instantiate()
     meta = params.cls.FPropMeta(params, *[tf.TensorShape(s) for s in shapes])
-    assert _recorded_bytes(layer, [_normal(*s) for s in shapes]) == meta.weight_op_bytes
+    assert _recorded_bytes(layer, [_normal(*s) for s in shapes]) == meta.memory.weight_op_bytes
 
 
 def test_self_attention_declares_its_records():
@@ -69,14 +69,14 @@ def test_self_attention_declares_its_records():
     p = attention.MultiHeadedAttention.Params().Set(name="att", input_dim=8, num_heads=2)
     x = _normal(2, 5, 8)
     meta = p.cls.FPropMeta(p, x.shape, x.shape, x.shape)
-    assert _recorded_bytes(p.Instantiate(), [x, x, x]) == meta.weight_op_bytes
+    assert _recorded_bytes(p.Instantiate(), [x, x, x]) == meta.memory.weight_op_bytes
 
 
 def test_softmax_loss_declares_its_records():
     p = losses.SoftmaxCrossEntropyLayer.Params().Set(name="xent", input_dim=8, num_classes=5)
     x, ids = _normal(6, 8), tf.constant([0, 1, 2, 3, 4, 0])
     meta = p.cls.FPropMeta(p, x.shape, ids.shape)
-    assert _recorded_bytes(p.Instantiate(), [x, ids]) == meta.weight_op_bytes
+    assert _recorded_bytes(p.Instantiate(), [x, ids]) == meta.memory.weight_op_bytes
 
 
 def test_amoebanet_stem_and_cells_declare_their_records():
@@ -96,7 +96,7 @@ def test_amoebanet_stem_and_cells_declare_their_records():
         meta = p.cls.FPropMeta(p, shapes)
         layer = p.Copy().Instantiate()
         got = _recorded_bytes(layer, [x])
-        assert got == meta.weight_op_bytes, p.name
+        assert got == meta.memory.weight_op_bytes, p.name
         with fprop_context.fprop_context(training=True):
             x = layer.FProp(layer.theta, x)
         shapes = meta.out_shapes[0]
@@ -121,8 +121,8 @@ def test_transformer_layers_declare_their_records():
     for p in mt.transformer_layers(vocab, 8, 16, 2, 1, 1):
         meta = p.cls.FPropMeta(p, shapes)
         layer = p.Instantiate()
-        if meta.get("weight_op_bytes"):
-            assert _recorded_bytes(layer, [x]) == meta.weight_op_bytes, p.name
+        if meta.get("memory") and meta.memory.weight_op_bytes:
+            assert _recorded_bytes(layer, [x]) == meta.memory.weight_op_bytes, p.name
             checked += 1
         with fprop_context.fprop_context(training=True):
             x = layer.FProp(layer.theta, x)

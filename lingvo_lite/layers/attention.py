@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import dropout, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
@@ -239,13 +239,12 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         if p.atten_dropout_prob > 0.0:
             freed += probs * (tf.bool.size + tf.float32.size)
         temporaries = max(2 * probs * tf.float32.size - freed, 2 * B * Tq * D * size)
-        return base_layer.fprop_meta(
-            flops=flops,
-            out_shapes=tf.TensorShape([B, Tq, D]),
-            num_params=num_params,
-            dtype=dtype,
-            saved_activation_bytes=saved * size + probs * tf.float32.size + kept_masks,
-            weight_op_bytes=weight_ops * size,
-            backward_temporary_bytes=temporaries,
-            saved_covers_input=True,  # The query input is among the saved tensors.
-        )
+        return base_layer.fprop_meta(flops=flops, out_shapes=tf.TensorShape([B, Tq, D]),
+                                     num_params=num_params, dtype=dtype,
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=(saved * size
+                                                                 + probs * tf.float32.size
+                                                                 + kept_masks),
+                                         weight_op_bytes=weight_ops * size,
+                                         backward_temporary_bytes=temporaries,
+                                         saved_covers_input=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite import base_layer, hyperparams, layer_memory
 from lingvo_lite.nested_map import NestedMap
 
 
@@ -55,14 +55,10 @@ def sum_meta(metas: list[NestedMap], input_shapes: tuple, dtype: Any) -> NestedM
     last layer's, and its gradient temporaries are its largest layer's (it back-propagates
     through one layer after another)."""
     out_shapes = metas[-1].out_shapes if metas else input_shapes
-    return base_layer.fprop_meta(
-        flops=sum(m.flops for m in metas),
-        out_shapes=tuple(out_shapes),
-        num_params=sum(m.num_params for m in metas),
-        dtype=dtype,
-        **base_layer.extra_param_counts(metas),
-        **base_layer.composite_memory(metas),
-    )
+    return base_layer.fprop_meta(flops=sum(m.flops for m in metas), out_shapes=tuple(out_shapes),
+                                 num_params=sum(m.num_params for m in metas), dtype=dtype,
+                                 **base_layer.extra_param_counts(metas),
+                                 memory=layer_memory.composite(metas))
 
 
 class SequentialLayer(base_layer.BaseLayer):

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import activations, composite, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
@@ -103,11 +103,12 @@ def _conv_meta(
     flops += outputs * (int(p.has_bias) + activations.activation_flops_per_element(p.activation))
     dtype = p.fprop_dtype or p.dtype
     # A deferred weight gradient holds the convolution's input and output gradient.
+    out_shape = tf.TensorShape([b, out_h, out_w, out_channels])
     return base_layer.fprop_meta(
-        flops, tf.TensorShape([b, out_h, out_w, out_channels]), num_params, dtype,
-        weight_op_bytes=base_layer.activation_bytes(shape, dtype) + base_layer.activation_bytes(
-            tf.TensorShape([b, out_h, out_w, out_channels]), dtype),
-    )
+        flops, out_shape, num_params, dtype,
+        memory=layer_memory.MemoryRecord(weight_op_bytes=(
+            base_layer.activation_bytes(shape, dtype)
+            + base_layer.activation_bytes(out_shape, dtype))))
 
 
 class _FilterConvLayer(base_layer.BaseLayer):
@@ -305,10 +306,9 @@ class SeparableConv2DLayer(base_layer.BaseLayer):
         shape = base_layer.to_shape(inputs)
         _check_input(p.name or cls.__name__, shape, p.input_dim, "input_dim")
         metas = composite.chain_meta(list(children.values()), shape)
-        return base_layer.fprop_meta(
-            sum(m.flops for m in metas), metas[-1].out_shapes,
-            sum(m.num_params for m in metas), p.fprop_dtype or p.dtype,
-            weight_op_bytes=base_layer.weight_op_bytes(metas))
+        return base_layer.fprop_meta(sum(m.flops for m in metas), metas[-1].out_shapes,
+                                     sum(m.num_params for m in metas), p.fprop_dtype or p.dtype,
+                                     memory=layer_memory.MemoryRecord(weight_op_bytes=layer_memory.weight_op_bytes(metas)))
 
 
 __all__ = ["Conv2DLayer", "DepthwiseConv2DLayer", "SeparableConv2DLayer", "conv_output_size",

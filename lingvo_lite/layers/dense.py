@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import activations, weight_ops
 from lingvo_lite.nested_map import NestedMap
 
@@ -94,8 +94,9 @@ class ProjectionLayer(base_layer.BaseLayer):
         saved = outputs * size
         # A deferred weight gradient holds the matmul's input and its output's gradient.
         return base_layer.fprop_meta(flops, out_shape, num_params, dtype,
-                                     saved_activation_bytes=saved,
-                                     weight_op_bytes=(rows * p.input_dim + outputs) * size)
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=saved,
+                                         weight_op_bytes=(rows * p.input_dim + outputs) * size))
 
 
 class FCLayer(ProjectionLayer):

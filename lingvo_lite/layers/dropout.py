@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
+from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["drop_path", "dropout", "DropoutLayer", "DropPathLayer", "uniform_hash"]
@@ -206,9 +206,11 @@ class DropoutLayer(base_layer.BaseLayer):
             flops = 3 * int(shape.num_elements() or 0)
             # The backward keeps the boolean mask (1 byte per element of the noise shape).
             mask = cls._mask_elements(p, shape)
+        # Only the mask is read.
         return base_layer.fprop_meta(flops, shape, 0, p.fprop_dtype or p.dtype,
-                                     saved_activation_bytes=mask * tf.bool.size,
-                                     saved_covers_input=True)  # Only the mask is read.
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=mask * tf.bool.size,
+                                         saved_covers_input=True))
 
     @classmethod
     def _mask_elements(cls, p: hyperparams.Params, shape: tf.TensorShape) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import weight_ops
 from lingvo_lite.nested_map import NestedMap
 
@@ -99,6 +99,7 @@ class EmbeddingLayer(base_layer.BaseLayer):
         out_shape = shape.concatenate([p.embedding_dim])
         # A gather does no arithmetic; scaling costs one multiply per output element.
         flops = out_shape.num_elements() if p.scale_sqrt_depth else 0
+        # A lookup: its gradient is in B.
         return base_layer.fprop_meta(flops, out_shape, p.vocab_size * p.embedding_dim,
                                      p.fprop_dtype or p.dtype,
-                                     weight_op_bytes=0)  # A lookup: its gradient is in B.
+                                     memory=layer_memory.MemoryRecord(weight_op_bytes=0))

@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite import base_layer, hyperparams, layer_memory
 from lingvo_lite.layers import composite, dense, dropout, normalization
 from lingvo_lite.nested_map import NestedMap
 
@@ -98,21 +98,22 @@ class FeedForwardLayer(base_layer.BaseLayer):
         # sum are read by nothing.
         saved = 0
         if "layer_norm" in by_name:
-            saved += (base_layer.saved_activation_bytes(by_name["layer_norm"])
+            saved += (layer_memory.saved_activation_bytes(by_name["layer_norm"])
                       + base_layer.activation_bytes(shape, dtype))
         hidden = by_name["fflayer_1"]
-        saved += base_layer.saved_activation_bytes(hidden)
+        saved += layer_memory.saved_activation_bytes(hidden)
         if "relu_dropout" in by_name:
-            saved += (base_layer.saved_activation_bytes(by_name["relu_dropout"])
+            saved += (layer_memory.saved_activation_bytes(by_name["relu_dropout"])
                       + hidden.out_bytes)
         if "residual_dropout" in by_name:
-            saved += base_layer.saved_activation_bytes(by_name["residual_dropout"])
+            saved += layer_memory.saved_activation_bytes(by_name["residual_dropout"])
         if p.add_residual:
             flops += shape.num_elements()
         return base_layer.fprop_meta(flops, shape, num_params, dtype,
-                                     saved_activation_bytes=saved,
-                                     weight_op_bytes=base_layer.weight_op_bytes(metas),
-                                     saved_covers_input="layer_norm" in by_name)
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=saved,
+                                         weight_op_bytes=layer_memory.weight_op_bytes(metas),
+                                         saved_covers_input="layer_norm" in by_name))
 
 
 __all__ = ["FeedForwardLayer"]

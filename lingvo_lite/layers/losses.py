@@ -6,7 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, weight_params
+from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import weight_ops
 from lingvo_lite.layers.normalization import check_input_shape
 from lingvo_lite.nested_map import NestedMap
@@ -185,4 +185,5 @@ class SoftmaxCrossEntropyLayer(base_layer.BaseLayer):
         # A deferred weight gradient holds the projection's input and the logits' gradient.
         size = tf.as_dtype(p.fprop_dtype or p.dtype).size
         return base_layer.fprop_meta(flops, out_shapes, num_params, tf.float32,
-                                     weight_op_bytes=n * (p.input_dim + p.num_classes) * size)
+                                     memory=layer_memory.MemoryRecord(
+                                         weight_op_bytes=n * (p.input_dim + p.num_classes) * size))

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
+from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["BatchNormLayer", "check_input_shape", "LayerNorm", "pool_moments"]
@@ -168,14 +168,10 @@ class BatchNormLayer(base_layer.BaseLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs_shape: Any) -> NestedMap:
         shape = check_input_shape(cls.__name__, base_layer.to_shape(inputs_shape), 2, p.dim, "dim")
         n = _num_elements(cls.__name__, shape)
-        return base_layer.fprop_meta(
-            flops=_BN_FLOPS_PER_ELEMENT * n,
-            out_shapes=shape,
-            num_params=4 * p.dim,
-            dtype=p.fprop_dtype or p.dtype,
-            weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
-            non_trainable_params=2 * p.dim,  # moving_mean, moving_variance
-        )
+        return base_layer.fprop_meta(flops=_BN_FLOPS_PER_ELEMENT * n, out_shapes=shape,
+                                     num_params=4 * p.dim, dtype=p.fprop_dtype or p.dtype,
+                                     non_trainable_params=2 * p.dim,
+                                     memory=layer_memory.MemoryRecord(weight_op_bytes=0))
 
 
 class LayerNorm(base_layer.BaseLayer):
@@ -224,14 +220,10 @@ class LayerNorm(base_layer.BaseLayer):
         shape = check_input_shape(cls.__name__, base_layer.to_shape(inputs_shape), 1,
                                   p.input_dim, "input_dim")
         n = _num_elements(cls.__name__, shape)
-        return base_layer.fprop_meta(
-            flops=_LN_FLOPS_PER_ELEMENT * n,
-            out_shapes=shape,
-            num_params=2 * p.input_dim,
-            dtype=p.fprop_dtype or p.dtype,
-            # The backward reads the centred input, the normalised input (for the scale's
-            # gradient) and 1 / std per position, all float32 whatever the fprop dtype.
-            saved_activation_bytes=(2 * n + n // p.input_dim) * tf.float32.size,
-            weight_op_bytes=0,  # Its weights act element-wise, not through weight_ops.
-            saved_covers_input=True,  # Its gradients do not read the input itself.
-        )
+        return base_layer.fprop_meta(flops=_LN_FLOPS_PER_ELEMENT * n, out_shapes=shape,
+                                     num_params=2 * p.input_dim, dtype=p.fprop_dtype or p.dtype,
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=((2 * n + n // p.input_dim)
+                                                                 * tf.float32.size),
+                                         weight_op_bytes=0,
+                                                                      saved_covers_input=True))

@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite import base_layer, hyperparams, layer_memory
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["FieldLayer", "FieldsLayer", "IdentityLayer", "shapes_of"]
@@ -84,7 +84,7 @@ class FieldLayer(base_layer.BaseLayer):
         out.Set(p.output_field or p.field, meta.out_shapes[0])
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     **base_layer.wrapped_memory(meta))
+                                     memory=layer_memory.wrapped(meta))
 
 
 class IdentityLayer(base_layer.BaseLayer):
@@ -154,4 +154,4 @@ class FieldsLayer(base_layer.BaseLayer):
             out.Set(p.output_field, stored)
         return base_layer.fprop_meta(meta.flops, out, meta.num_params, p.fprop_dtype or p.dtype,
                                      **base_layer.extra_param_counts([meta]),
-                                     **base_layer.wrapped_memory(meta))
+                                     memory=layer_memory.wrapped(meta))

@@ -36,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite import base_layer, hyperparams, layer_memory
 from lingvo_lite.layers import attention, dropout, embedding, feedforward, losses, normalization
 from lingvo_lite.nested_map import NestedMap
 
@@ -80,7 +80,7 @@ def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params,
     if children is None:
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
     return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
-                                 **base_layer.composite_memory(children, saved_extra))
+                                 memory=layer_memory.composite(children, saved_extra))
 
 
 def _shape3(shape: Any, dim: int, what: str, where: str) -> tf.TensorShape:
@@ -440,7 +440,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
         # input), the fused cross-entropy's gradient softmax - targets (float32 [B, T, vocab]),
         # the token weights and the per-token losses they weigh (float32 [B, T]).
         tokens = x[:2].num_elements()
-        saved = (base_layer.saved_activation_bytes(ln)
+        saved = (layer_memory.saved_activation_bytes(ln)
                  + base_layer.activation_bytes(x, p.fprop_dtype or p.dtype)
                  + (tokens * p.vocab_size + 2 * tokens) * tf.float32.size)
         # Its forward's peak beyond that: the logits and the smoothed targets alive while the
@@ -448,9 +448,10 @@ class SoftmaxLayer(base_layer.BaseLayer):
         # writes one it drops).
         temporaries = 2 * tokens * p.vocab_size * tf.float32.size
         return base_layer.fprop_meta(flops, out, ln.num_params + sm.num_params, tf.float32,
-                                     saved_activation_bytes=saved,
-                                     weight_op_bytes=base_layer.weight_op_bytes([ln, sm]),
-                                     backward_temporary_bytes=temporaries)
+                                     memory=layer_memory.MemoryRecord(
+                                         saved_activation_bytes=saved,
+                                         weight_op_bytes=layer_memory.weight_op_bytes([ln, sm]),
+                                         backward_temporary_bytes=temporaries))
 
 
 def transformer_layers(vocab_size: int, model_dim: int, hidden_dim: int, num_heads: int,

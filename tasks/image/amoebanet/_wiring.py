@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer
+from lingvo_lite import base_layer, layer_memory
 from lingvo_lite.layers import conv, normalization, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import InstantiableParams, Params, dtype_of, num_elements
@@ -123,7 +123,7 @@ class ShapeWiring:
         for value in kept:
             self._keep(value)
         self._kept_inside += inside
-        self._op([x], y, kept, inside, base_layer.backward_temporary_bytes(meta))
+        self._op([x], y, kept, inside, layer_memory.backward_temporary_bytes(meta))
         return y
 
     def relu(self, x: tf.TensorShape) -> tf.TensorShape:
@@ -163,8 +163,8 @@ class ShapeWiring:
 
     @property
     def weight_op_bytes(self) -> int | None:
-        """What the children's deferred weight gradients hold (`base_layer.weight_op_bytes`)."""
-        return base_layer.weight_op_bytes(self.metas)
+        """What the children's deferred weight gradients hold (`layer_memory.weight_op_bytes`)."""
+        return layer_memory.weight_op_bytes(self.metas)
 
     @property
     def saved_bytes(self) -> int:
@@ -225,11 +225,11 @@ class ShapeWiring:
         held, freeing = self.backward_temporaries(output)
         meta = base_layer.fprop_meta(self.flops, output, self.num_params, self._dtype,
                                      **self.extra_param_counts(),
-                                     saved_activation_bytes=self.saved_bytes,
-                                     weight_op_bytes=self.weight_op_bytes,
-                                     backward_temporary_bytes=held,
-                                     inline_backward_temporary_bytes=freeing,
-                                     saved_covers_input=True)
+                                     memory=layer_memory.MemoryRecord(saved_activation_bytes=self.saved_bytes,
+                                                                      weight_op_bytes=self.weight_op_bytes,
+                                                                      backward_temporary_bytes=held,
+                                                                      inline_backward_temporary_bytes=freeing,
+                                                                      saved_covers_input=True))
         meta.update(kept_input=id(inputs) in self._kept, kept_output=id(output) in self._kept,
                     kept_inside_bytes=self.saved_bytes - sum(ends.values()))
         return meta
@@ -265,7 +265,7 @@ def backward_needs(child: InstantiableParams, x: tf.TensorShape,
         return reads, reads, 0
     # Any other layer (drop path: its per-example boolean mask, when it drops) keeps what its
     # FPropMeta says.
-    return False, False, base_layer.saved_activation_bytes(meta)
+    return False, False, layer_memory.saved_activation_bytes(meta)
 
 
 # A step of a chain that is an elementwise ReLU rather than a child layer.

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer
+from lingvo_lite import base_layer, layer_memory
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
     InstantiableParams,
@@ -281,8 +281,8 @@ class AmoebaNetCell(base_layer.BaseLayer):
         held, freeing = wiring.backward_temporaries(out.x)
         return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
-                                     saved_activation_bytes=wiring.saved_bytes,
-                                     weight_op_bytes=wiring.weight_op_bytes,
-                                     backward_temporary_bytes=held,
-                                     inline_backward_temporary_bytes=freeing,
-                                     saved_covers_input=True)
+                                     memory=layer_memory.MemoryRecord(saved_activation_bytes=wiring.saved_bytes,
+                                                                      weight_op_bytes=wiring.weight_op_bytes,
+                                                                      backward_temporary_bytes=held,
+                                                                      inline_backward_temporary_bytes=freeing,
+                                                                      saved_covers_input=True))

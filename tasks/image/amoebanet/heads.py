@@ -10,7 +10,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite import base_layer, fprop_context, layer_memory
 from lingvo_lite.layers import dropout, losses, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
@@ -81,9 +81,9 @@ class StemLayer(base_layer.BaseLayer):
         out.x = cls._wire(wiring, tf.TensorShape(shapes[p.image_key]))
         return base_layer.fprop_meta(wiring.flops, out, wiring.num_params, dtype_of(p),
                                      **wiring.extra_param_counts(),
-                                     saved_activation_bytes=wiring.saved_bytes,
-                                     weight_op_bytes=wiring.weight_op_bytes,
-                                     saved_covers_input=True)
+                                     memory=layer_memory.MemoryRecord(saved_activation_bytes=wiring.saved_bytes,
+                                                                      weight_op_bytes=wiring.weight_op_bytes,
+                                                                      saved_covers_input=True))
 
 
 def _per_example_correct(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
@@ -181,11 +181,11 @@ class AuxHeadLayer(base_layer.BaseLayer):
         out.aux_correct = tf.TensorShape([batch])
         # The whole head only serves training (evaluation drops it).
         non_trainable = wiring.extra_param_counts()["non_trainable_params"]
-        return base_layer.fprop_meta(flops, out, num_params, dtype_of(p),
-                                     non_trainable_params=non_trainable,
-                                     training_only_params=num_params - non_trainable,
-                                     weight_op_bytes=base_layer.weight_op_bytes(
-                                         wiring.metas + [soft_meta]))
+        return base_layer.fprop_meta(
+            flops, out, num_params, dtype_of(p), non_trainable_params=non_trainable,
+            training_only_params=num_params - non_trainable,
+            memory=layer_memory.MemoryRecord(
+                weight_op_bytes=layer_memory.weight_op_bytes(wiring.metas + [soft_meta])))
 
 
 class HeadLayer(base_layer.BaseLayer):
@@ -281,12 +281,12 @@ class HeadLayer(base_layer.BaseLayer):
         # The backward reads the ReLU's output (the cell output's size) and the dropout mask;
         # the pool's gradient is its input's size.
         held, freeing = wiring.backward_temporaries(features)
-        return base_layer.fprop_meta(flops, out, soft_meta.num_params, tf.float32,
-                                     saved_activation_bytes=(
-                                         wiring.saved_bytes
-                                         + base_layer.saved_activation_bytes(soft_meta)),
-                                     weight_op_bytes=soft_meta.get("weight_op_bytes"),
-                                     backward_temporary_bytes=max(
-                                         held, base_layer.backward_temporary_bytes(soft_meta)),
-                                     inline_backward_temporary_bytes=freeing,
-                                     saved_covers_input=True)
+        return base_layer.fprop_meta(
+            flops, out, soft_meta.num_params, tf.float32,
+            memory=layer_memory.MemoryRecord(
+                saved_activation_bytes=(wiring.saved_bytes
+                                        + layer_memory.saved_activation_bytes(soft_meta)),
+                weight_op_bytes=layer_memory.record_of(soft_meta).weight_op_bytes,
+                backward_temporary_bytes=max(held,
+                                             layer_memory.backward_temporary_bytes(soft_meta)),
+                inline_backward_temporary_bytes=freeing, saved_covers_input=True))

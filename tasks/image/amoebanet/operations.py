@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer
+from lingvo_lite import base_layer, layer_memory
 from lingvo_lite.layers import conv, dropout, pooling
 from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
@@ -63,11 +63,12 @@ class SubsampleLayer(base_layer.BaseLayer):
         b, h, w, c = shape.as_list()
         s = p.stride
         # The gradient of a strided slice is the input's size.
-        meta = base_layer.fprop_meta(0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0,
-                                     dtype_of(p), saved_activation_bytes=0,
-                                     backward_temporary_bytes=base_layer.activation_bytes(
-                                         shape, dtype_of(p)),
-                                     saved_covers_input=True)
+        meta = base_layer.fprop_meta(
+            0, tf.TensorShape([b, -(-h // s), -(-w // s), c]), 0, dtype_of(p),
+            memory=layer_memory.MemoryRecord(
+                saved_activation_bytes=0,
+                backward_temporary_bytes=base_layer.activation_bytes(shape, dtype_of(p)),
+                saved_covers_input=True))
         meta.update(kept_input=False, kept_output=False, kept_inside_bytes=0)  # A slice.
         return meta
 
