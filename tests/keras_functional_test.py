@@ -247,8 +247,13 @@ def test_refusals_are_one_line():
     pipelined = PipelinedModel(model, num_cells=1)
     with pytest.raises(ValueError, match="returns a Keras mask"):
         pipelined.predict(np.ones((2, 5), "int32"), verbose=0)
-    with pytest.raises(ValueError, match="declares its inputs; drop input_shape"):
-        PipelinedModel(skip_model(), input_shape=(6,))
+    with pytest.raises(ValueError, match=r"input_shape for 'features' is \(6, 2\), but the "
+                                         r"input has shape \(None, 6\)"):
+        PipelinedModel(skip_model(), input_shape=(6, 2))
+    dynamic = keras.Input((None,), name="ids")
+    with pytest.raises(ValueError, match=r"input 'ids' has shape \(None, None\); pass "
+                                         r"input_shape=\{'ids': \(\.\.\.\), \.\.\.\}"):
+        PipelinedModel(keras.Model(dynamic, keras.layers.Dense(2)(dynamic)), num_cells=1)
     pipelined = PipelinedModel(skip_model(), num_cells=2)
     with pytest.raises(ValueError, match="loss_weights are not supported"):
         pipelined.compile(loss="mse", loss_weights=[2.0])
@@ -258,3 +263,34 @@ def test_refusals_are_one_line():
         pipelined.compile(loss=keras.losses.MeanSquaredError(reduction="sum"))
     for message in ("'drop' is called at several places",):
         assert "\n" not in message
+
+
+def dropout_model() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((6,), name="features")
+    h = keras.layers.Dense(12, activation="relu", name="h")(inp)
+    dropped = keras.layers.Dropout(0.5, name="drop")(h)
+    h2 = keras.layers.Dense(12, activation="relu", name="h2")(dropped)
+    return keras.Model(inp, keras.layers.Dense(3, name="out")(
+        keras.layers.Add(name="res")([h2, dropped])))
+
+
+def batch_norm_model() -> keras.Model:
+    keras.utils.set_random_seed(6)
+    inp = keras.Input((6,), name="features")
+    h = keras.layers.Dense(12, name="h")(inp)
+    normed = keras.layers.BatchNormalization(name="bn")(h)
+    return keras.Model(inp, keras.layers.Dense(3, name="out")(
+        keras.layers.Concatenate(name="cat")([normed, inp])))
+
+
+def test_dropout_node_draws_keras_masks_for_every_split():
+    x, y = batch()
+    for num_micro_batches in (1, 4):
+        check_step(dropout_model(), "mse", x, y, num_cells=2,
+                   num_micro_batches=num_micro_batches)
+
+
+def test_batch_norm_node_fit_at_one_micro_batch():
+    x, y = batch(16)
+    check_fit(batch_norm_model, "mse", x, y, "adam", num_cells=2, num_micro_batches=1)

@@ -114,9 +114,14 @@ class _Namer:
         return key
 
 
-def trace_model(model: keras.Model) -> GraphPlan:
+def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
     """The nodes of a functional model in topological order, nested functional models
-    expanded, each tensor named by the layer that makes it."""
+    expanded, each tensor named by the layer that makes it.
+
+    `input_shape`: one example's shape of the inputs whose shape has dynamic dimensions
+    (keras-hub's token_ids are (None, None)): a tuple for a single input, else a dict by
+    input name (or a list in input order); the pipeline needs static shapes.
+    """
     if not is_functional_model(model):
         raise ValueError(f"trace_model needs a functional keras.Model, got {type(model).__name__}.")
     if not _runs_its_graph(model):
@@ -127,17 +132,15 @@ def trace_model(model: keras.Model) -> GraphPlan:
     keys: dict[int, str] = {}
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
 
-    def add(tensor: Any, name: str) -> str:
+    def add(tensor: Any, name: str, shape: Any = None) -> str:
         key = name_of(name)
         keys[id(tensor)] = key
-        specs[key] = (tuple(int(d) for d in tensor.shape[1:]), str(tensor.dtype))
-        if any(d is None for d in tensor.shape[1:]):
-            raise ValueError(
-                f"PipelinedModel: tensor '{name}' has shape {tuple(tensor.shape)}; the pipeline "
-                "needs every dimension but the batch static (e.g. keras.Input((seq_len,))).")
+        specs[key] = (tuple(tensor.shape[1:] if shape is None else shape), str(tensor.dtype))
         return key
 
-    input_keys = [add(t, t.name) for t in model.inputs]
+    input_keys = [add(t, name, shape)
+                  for t, name, shape in zip(model.inputs, *_input_names_and_shapes(model,
+                                                                                   input_shape))]
     nodes: list[GraphNode] = []
     first_call: dict[int, int] = {}
     calls: dict[int, int] = {}
@@ -154,7 +157,7 @@ def trace_model(model: keras.Model) -> GraphPlan:
         raise ValueError(f"PipelinedModel: a node's call argument {value!r} is not a tensor or a "
                          "plain Python value; it cannot be described in the pipeline's params.")
 
-    def walk(graph: Functional, training: Any) -> None:
+    def walk(graph: Functional) -> None:
         for depth in sorted(graph._nodes_by_depth, reverse=True):
             for node in graph._nodes_by_depth[depth]:
                 op = node.operation
@@ -163,12 +166,12 @@ def trace_model(model: keras.Model) -> GraphPlan:
                 if any(id(t) not in keys for t in node.input_tensors):
                     continue  # A node of another model sharing this layer.
                 kwargs = dict(node.arguments.kwargs)
-                forced = kwargs.pop("training", training)
+                # Keras records the training flag of the symbolic call; Functional.call
+                # overrides it with the call's own, as each node does with the pipeline's.
+                kwargs.pop("training", None)
                 if is_functional_model(op) and _runs_its_graph(op):
-                    expand(op, node, kwargs, forced)
+                    expand(op, node, kwargs)
                     continue
-                if forced is not None and "training" in getattr(op, "_call_context_args", ()):
-                    kwargs["training"] = forced
                 count = calls.get(id(op), 0)
                 calls[id(op)] = count + 1
                 name = op.name if count == 0 else f"{op.name}_{count}"
@@ -184,9 +187,9 @@ def trace_model(model: keras.Model) -> GraphPlan:
                         first_call[id(op)] = len(nodes)
                 nodes.append(gn)
 
-    def expand(sub: Functional, node: Any, kwargs: dict, training: Any) -> None:
-        if kwargs.get("mask") is not None or len(node.arguments.args) != 1 or \
-                set(kwargs) - {"mask"}:
+    def expand(sub: Functional, node: Any, kwargs: dict) -> None:
+        masks = [m for m in tree.flatten(kwargs.get("mask")) if m is not None]
+        if masks or len(node.arguments.args) != 1 or set(kwargs) - {"mask"}:
             raise ValueError(
                 f"PipelinedModel: nested model '{sub.name}' is called with arguments other than "
                 "its inputs; call it on its inputs alone.")
@@ -196,11 +199,11 @@ def trace_model(model: keras.Model) -> GraphPlan:
                              f"{len(sub.inputs)} inputs and is called with {len(outer)}.")
         for inner, value in zip(sub.inputs, outer):
             keys[id(inner)] = keys[id(value)]
-        walk(sub, training)
+        walk(sub)
         for inner, value in zip(sub.outputs, node.outputs):
             keys[id(value)] = keys[id(inner)]
 
-    walk(model, None)
+    walk(model)
     struct = model._outputs_struct
     output_names: dict[str, str] = {}
     if isinstance(struct, dict):
@@ -213,7 +216,49 @@ def trace_model(model: keras.Model) -> GraphPlan:
         outputs = [keys[id(t)] for t in struct]
     else:
         outputs = keys[id(tree.flatten(struct)[0])]
-    return GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct)
+    plan = GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct)
+    if any(d is None for shape, _ in specs.values() for d in shape):
+        _infer_static_specs(plan)
+    return plan
+
+
+def _input_names_and_shapes(model: keras.Model, input_shape: Any
+                            ) -> tuple[list[str], list[Any]]:
+    struct = model._inputs_struct
+    names = sorted(struct) if isinstance(struct, dict) else [t.name for t in model.inputs]
+    if input_shape is None:
+        shapes = [None] * len(names)
+    elif isinstance(input_shape, dict):
+        shapes = [input_shape.get(n) for n in names]
+    elif len(model.inputs) == 1 and all(isinstance(d, int) for d in input_shape):
+        shapes = [input_shape]
+    else:
+        shapes = list(input_shape)
+    for t, name, shape in zip(model.inputs, names, shapes):
+        if shape is None and any(d is None for d in t.shape[1:]):
+            raise ValueError(
+                f"PipelinedModel: input '{name}' has shape {tuple(t.shape)}; pass "
+                f"input_shape={{'{name}': (...), ...}} (one example's static shape of every input "
+                "with a dynamic dimension).")
+        if shape is not None and len(shape) != len(t.shape) - 1:
+            raise ValueError(f"PipelinedModel: input_shape for '{name}' is {tuple(shape)}, but "
+                             f"the input has shape {tuple(t.shape)} (give it without the batch).")
+    return names, [None if s is None else tuple(int(d) for d in s) for s in shapes]
+
+
+def _infer_static_specs(plan: GraphPlan) -> None:
+    """Every tensor's static shape, by Keras shape inference from the static inputs."""
+    values = {k: keras.KerasTensor((None, *plan.specs[k][0]), dtype=plan.specs[k][1])
+              for k in plan.input_keys}
+    for node in plan.nodes:
+        call = graph_layer._fill(node.call, values)
+        out = node.layer.compute_output_spec(*call["args"], **call["kwargs"])
+        for key, tensor in zip(node.outputs, tree.flatten(out)):
+            values[key] = tensor
+            plan.specs[key] = (tuple(tensor.shape[1:]), str(tensor.dtype))
+            if any(d is None for d in tensor.shape[1:]):
+                raise ValueError(f"PipelinedModel: tensor '{key}' has shape {tuple(tensor.shape)} "
+                                 "for static inputs; the pipeline needs static shapes.")
 
 
 def _check_shareable(layer: keras.layers.Layer) -> None:
@@ -338,7 +383,7 @@ class FunctionalPipelinedModel(PipelinedModel):
     `PipelinedModel(model, ...)`. `plain` is a copy of the model whose variables are the
     pipeline's (each on its cell's device)."""
 
-    def __init__(self, layers: keras.Model, input_shape: Sequence[int] | None = None,
+    def __init__(self, layers: keras.Model, input_shape: Any = None,
                  num_cells: int = 1, num_micro_batches: int | None = None,
                  micro_batch_size: int | None = None, remat: str = "except_last",
                  schedule: str = "gpipe", placement: Any = "auto",
@@ -347,16 +392,13 @@ class FunctionalPipelinedModel(PipelinedModel):
                  name: str | None = None) -> None:
         keras.Model.__init__(self, name=name)
         model = layers
-        if input_shape is not None:
-            raise ValueError("PipelinedModel: a functional model declares its inputs; drop "
-                             "input_shape.")
         settings = dict(num_cells=num_cells, num_micro_batches=num_micro_batches,
                         micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
                         placement=placement, partition_method=partition_method,
                         split_points=split_points, serial_devices=serial_devices)
         self._config = dict(layers=keras.saving.serialize_keras_object(model),
-                            cost_batch_size=cost_batch_size, **settings)
-        plan = trace_model(model)
+                            input_shape=input_shape, cost_batch_size=cost_batch_size, **settings)
+        plan = trace_model(model, input_shape)
         params = functional_pipeline_params(model, cost_batch_size=cost_batch_size, plan=plan,
                                             **settings)
         pipeline = params.Instantiate()

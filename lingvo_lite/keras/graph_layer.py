@@ -94,7 +94,7 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
     if not isinstance(layer, keras.layers.Layer):
         return tree.flatten(layer(*args, **kwargs)), []
     if "training" in getattr(layer, "_call_context_args", ()):
-        kwargs.setdefault("training", training)
+        kwargs["training"] = training
     mapping = (list(zip(layer.trainable_variables, trainable))
                + list(zip(layer.non_trainable_variables, non_trainable)))
     with keras_backend.StatelessScope(state_mapping=mapping) as scope:
