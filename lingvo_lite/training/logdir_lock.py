@@ -6,7 +6,9 @@ owner's PID, hostname, the process's kernel start time and the wall-clock start 
 trainer refuses to start while the owner is alive. A lock left by a process that died (SIGKILL,
 a crash, a reboot) is stale: on the same host, when that PID is no longer running -- or now belongs
 to a process that started at another time (a reused PID) -- it is taken over with a note, so a
-resume after a crash just works. A lock from another host cannot be checked and must be removed by
+resume after a crash just works. Taking over is race-free: the staleness check and the removal
+run under an exclusive `flock` of the logdir, so of any number of trainers racing for a stale
+lock exactly one gets it. A lock from another host cannot be checked and must be removed by
 hand; the error says so. Evaluation does not take the lock (it may run beside a trainer).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -123,16 +126,7 @@ class LogdirLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = self._read_owner()
-                if owner is not None and not _is_stale(owner):
-                    self._refuse(owner)
-                what = (f"PID {owner.get('pid')} on {owner.get('hostname')}, started "
-                        f"{owner.get('start_time')}" if owner else "unreadable")
-                note(f"taking over the stale lock {self.path} ({what}: no longer running).")
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
+                self._remove_if_stale(note)
                 continue
             except OSError as e:
                 raise LogdirNotWritableError(self._logdir, e) from None
@@ -149,6 +143,47 @@ class LogdirLock:
             return
         raise LogdirInUseError(f"--logdir={self._logdir}: could not take the lock {self.path}; "
                                "another trainer keeps replacing it. Use a different --logdir.")
+
+    def _remove_if_stale(self, note: Callable[[str], None]) -> None:
+        """Removes the existing lock file if its owner is gone; refuses if it is alive.
+
+        Race-free among trainers taking over the same stale lock: the check and the removal
+        happen under an exclusive `flock` of the logdir itself, and the file removed is the
+        one checked (same inode). Without that, two trainers could both judge the old lock
+        stale, one remove it and create its own, and the other then remove that new lock and
+        create a second one: two writers on one logdir. A trainer that creates the lock with
+        O_EXCL meanwhile (no takeover) simply wins; the others then see a live owner.
+        """
+        try:
+            dir_fd = os.open(self._logdir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise LogdirNotWritableError(self._logdir, e) from None
+        try:
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)  # Released with the fd (also if we die).
+            except OSError:
+                pass  # A file system without flock (some network mounts): best effort.
+            try:
+                before = os.stat(self.path)
+            except FileNotFoundError:
+                return  # Gone meanwhile: retry the O_EXCL create.
+            owner = self._read_owner()
+            if owner is not None and not _is_stale(owner):
+                self._refuse(owner)
+            try:
+                if os.stat(self.path).st_ino != before.st_ino:
+                    return  # Replaced while we read it: look again.
+            except FileNotFoundError:
+                return
+            what = (f"PID {owner.get('pid')} on {owner.get('hostname')}, started "
+                    f"{owner.get('start_time')}" if owner else "unreadable")
+            note(f"taking over the stale lock {self.path} ({what}: no longer running).")
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(dir_fd)  # Also releases the flock.
 
     def _read_owner(self) -> dict | None:
         try:
