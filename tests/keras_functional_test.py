@@ -250,10 +250,10 @@ def test_refusals_are_one_line():
     with pytest.raises(ValueError, match=r"input_shape for 'features' is \(6, 2\), but the "
                                          r"input has shape \(None, 6\)"):
         PipelinedModel(skip_model(), input_shape=(6, 2))
-    dynamic = keras.Input((None,), name="ids")
+    dynamic = keras.Input((None,), dtype="int32", name="ids")
     with pytest.raises(ValueError, match=r"input 'ids' has shape \(None, None\); pass "
                                          r"input_shape=\{'ids': \(\.\.\.\), \.\.\.\}"):
-        PipelinedModel(keras.Model(dynamic, keras.layers.Dense(2)(dynamic)), num_cells=1)
+        PipelinedModel(keras.Model(dynamic, keras.layers.Embedding(10, 2)(dynamic)), num_cells=1)
     pipelined = PipelinedModel(skip_model(), num_cells=2)
     with pytest.raises(ValueError, match="loss_weights are not supported"):
         pipelined.compile(loss="mse", loss_weights=[2.0])

@@ -37,19 +37,17 @@ Example (2 logical CPUs stand in for 2 accelerators; configure them before any T
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 from keras.src import tree
-from keras.src.models.functional import Functional
 
 from lingvo_lite import fprop_context
 from lingvo_lite.keras import graph_layer
+from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
 from lingvo_lite.keras.pipelined_model import PipelinedModel, _check_regularizers, _Hidden
 from lingvo_lite.layers import keras_layer
 from lingvo_lite.nested_map import NestedMap
@@ -57,218 +55,6 @@ from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["FunctionalPipelinedModel", "GraphPlan", "cut_report", "functional_pipeline_params",
            "is_functional_model", "trace_model"]
-
-_RESERVED = {"x", "y", "sample_weight"}
-
-
-def is_functional_model(model: Any) -> bool:
-    """Whether `model` is a functional Keras model (whose call is its graph).
-
-    Example:
-        >>> inp = keras.Input((2,))
-        >>> is_functional_model(keras.Model(inp, keras.layers.Dense(1)(inp)))
-        True
-    """
-    return isinstance(model, Functional) and not isinstance(model, keras.Sequential)
-
-
-def _runs_its_graph(model: Functional) -> bool:
-    return type(model).call is Functional.call
-
-
-@dataclasses.dataclass
-class GraphNode:
-    """One call of a Keras layer or op in the graph."""
-
-    name: str
-    layer: Any
-    call: dict  # {'args': [...], 'kwargs': {...}}, tensors as graph_layer.TENSOR_REF.
-    outputs: list[str]
-    first_call: int | None = None  # For a later call of a layer with weights: its first node.
-
-
-@dataclasses.dataclass
-class GraphPlan:
-    """A functional model's graph as pipeline layers: nodes in order and tensor specs."""
-
-    input_keys: list[str]  # The model's flat inputs (model.inputs order) as map keys.
-    nodes: list[GraphNode]
-    outputs: Any  # A key, a list of keys, or {output name: key}.
-    specs: dict[str, tuple[tuple[int, ...], str]]  # key -> (shape without batch, dtype).
-    output_names: dict[str, str]  # Map name of a dict output -> the model's name for it.
-    input_struct: Any = None
-
-
-class _Namer:
-    def __init__(self) -> None:
-        self.used = set(_RESERVED)
-
-    def __call__(self, name: str) -> str:
-        key = re.sub(r"\W", "_", name) or "t"
-        if key[0].isdigit():
-            key = "t_" + key
-        base, n = key, 1
-        while key in self.used or hasattr(NestedMap, key):
-            key, n = f"{base}_{n}", n + 1
-        self.used.add(key)
-        return key
-
-
-def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
-    """The nodes of a functional model in topological order, nested functional models
-    expanded, each tensor named by the layer that makes it.
-
-    `input_shape`: one example's shape of the inputs whose shape has dynamic dimensions
-    (keras-hub's token_ids are (None, None)): a tuple for a single input, else a dict by
-    input name (or a list in input order); the pipeline needs static shapes.
-    """
-    if not is_functional_model(model):
-        raise ValueError(f"trace_model needs a functional keras.Model, got {type(model).__name__}.")
-    if not _runs_its_graph(model):
-        raise ValueError(
-            f"PipelinedModel: {type(model).__name__} overrides call(), so its functional graph "
-            "is not what it computes; pipeline a model whose call is its graph.")
-    name_of = _Namer()
-    keys: dict[int, str] = {}
-    specs: dict[str, tuple[tuple[int, ...], str]] = {}
-
-    def add(tensor: Any, name: str, shape: Any = None) -> str:
-        key = name_of(name)
-        keys[id(tensor)] = key
-        specs[key] = (tuple(tensor.shape[1:] if shape is None else shape), str(tensor.dtype))
-        return key
-
-    input_keys = [add(t, name, shape)
-                  for t, name, shape in zip(model.inputs, *_input_names_and_shapes(model,
-                                                                                   input_shape))]
-    nodes: list[GraphNode] = []
-    first_call: dict[int, int] = {}
-    calls: dict[int, int] = {}
-
-    def ref(value: Any) -> Any:
-        if isinstance(value, keras.KerasTensor):
-            return {graph_layer.TENSOR_REF: keys[id(value)]}
-        if isinstance(value, (list, tuple)):
-            return [ref(v) for v in value]
-        if isinstance(value, dict):
-            return {k: ref(v) for k, v in value.items()}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise ValueError(f"PipelinedModel: a node's call argument {value!r} is not a tensor or a "
-                         "plain Python value; it cannot be described in the pipeline's params.")
-
-    def walk(graph: Functional) -> None:
-        for depth in sorted(graph._nodes_by_depth, reverse=True):
-            for node in graph._nodes_by_depth[depth]:
-                op = node.operation
-                if op is None or node.is_input:
-                    continue
-                if any(id(t) not in keys for t in node.input_tensors):
-                    continue  # A node of another model sharing this layer.
-                kwargs = dict(node.arguments.kwargs)
-                # Keras records the training flag of the symbolic call; Functional.call
-                # overrides it with the call's own, as each node does with the pipeline's.
-                kwargs.pop("training", None)
-                if is_functional_model(op) and _runs_its_graph(op):
-                    expand(op, node, kwargs)
-                    continue
-                count = calls.get(id(op), 0)
-                calls[id(op)] = count + 1
-                name = op.name if count == 0 else f"{op.name}_{count}"
-                outs = [add(t, name if len(node.outputs) == 1 else f"{name}_{i}")
-                        for i, t in enumerate(node.outputs)]
-                gn = GraphNode(name, op, {"args": ref(list(node.arguments.args)),
-                                          "kwargs": ref(kwargs)}, outs)
-                if isinstance(op, keras.layers.Layer) and op.variables:
-                    if id(op) in first_call:
-                        gn.first_call = first_call[id(op)]
-                        _check_shareable(op)
-                    else:
-                        first_call[id(op)] = len(nodes)
-                nodes.append(gn)
-
-    def expand(sub: Functional, node: Any, kwargs: dict) -> None:
-        masks = [m for m in tree.flatten(kwargs.get("mask")) if m is not None]
-        if masks or len(node.arguments.args) != 1 or set(kwargs) - {"mask"}:
-            raise ValueError(
-                f"PipelinedModel: nested model '{sub.name}' is called with arguments other than "
-                "its inputs; call it on its inputs alone.")
-        outer = tree.flatten(node.arguments.args[0])
-        if len(outer) != len(sub.inputs):
-            raise ValueError(f"PipelinedModel: nested model '{sub.name}' takes "
-                             f"{len(sub.inputs)} inputs and is called with {len(outer)}.")
-        for inner, value in zip(sub.inputs, outer):
-            keys[id(inner)] = keys[id(value)]
-        walk(sub)
-        for inner, value in zip(sub.outputs, node.outputs):
-            keys[id(value)] = keys[id(inner)]
-
-    walk(model)
-    struct = model._outputs_struct
-    output_names: dict[str, str] = {}
-    if isinstance(struct, dict):
-        outputs = {}
-        for name, t in struct.items():
-            safe = re.sub(r"\W", "_", name)
-            output_names[safe] = name
-            outputs[safe] = keys[id(t)]
-    elif isinstance(struct, (list, tuple)) and len(struct) != 1:
-        outputs = [keys[id(t)] for t in struct]
-    else:
-        outputs = keys[id(tree.flatten(struct)[0])]
-    plan = GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct)
-    if any(d is None for shape, _ in specs.values() for d in shape):
-        _infer_static_specs(plan)
-    return plan
-
-
-def _input_names_and_shapes(model: keras.Model, input_shape: Any
-                            ) -> tuple[list[str], list[Any]]:
-    struct = model._inputs_struct
-    names = sorted(struct) if isinstance(struct, dict) else [t.name for t in model.inputs]
-    if input_shape is None:
-        shapes = [None] * len(names)
-    elif isinstance(input_shape, dict):
-        shapes = [input_shape.get(n) for n in names]
-    elif len(model.inputs) == 1 and all(isinstance(d, int) for d in input_shape):
-        shapes = [input_shape]
-    else:
-        shapes = list(input_shape)
-    for t, name, shape in zip(model.inputs, names, shapes):
-        if shape is None and any(d is None for d in t.shape[1:]):
-            raise ValueError(
-                f"PipelinedModel: input '{name}' has shape {tuple(t.shape)}; pass "
-                f"input_shape={{'{name}': (...), ...}} (one example's static shape of every input "
-                "with a dynamic dimension).")
-        if shape is not None and len(shape) != len(t.shape) - 1:
-            raise ValueError(f"PipelinedModel: input_shape for '{name}' is {tuple(shape)}, but "
-                             f"the input has shape {tuple(t.shape)} (give it without the batch).")
-    return names, [None if s is None else tuple(int(d) for d in s) for s in shapes]
-
-
-def _infer_static_specs(plan: GraphPlan) -> None:
-    """Every tensor's static shape, by Keras shape inference from the static inputs."""
-    values = {k: keras.KerasTensor((None, *plan.specs[k][0]), dtype=plan.specs[k][1])
-              for k in plan.input_keys}
-    for node in plan.nodes:
-        call = graph_layer._fill(node.call, values)
-        out = node.layer.compute_output_spec(*call["args"], **call["kwargs"])
-        for key, tensor in zip(node.outputs, tree.flatten(out)):
-            values[key] = tensor
-            plan.specs[key] = (tuple(tensor.shape[1:]), str(tensor.dtype))
-            if any(d is None for d in tensor.shape[1:]):
-                raise ValueError(f"PipelinedModel: tensor '{key}' has shape {tuple(tensor.shape)} "
-                                 "for static inputs; the pipeline needs static shapes.")
-
-
-def _check_shareable(layer: keras.layers.Layer) -> None:
-    for sub in layer._flatten_layers(include_self=True, recursive=True):
-        if isinstance(sub, keras.layers.BatchNormalization) or getattr(
-                sub, "_seed_generators", None):
-            raise ValueError(
-                f"PipelinedModel: Keras layer '{layer.name}' is called at several places and "
-                f"its layer '{sub.name}' ({type(sub).__name__}) changes state in its call; "
-                "only layers whose call changes no state can be shared across calls.")
 
 
 def _last_uses(plan: GraphPlan, prefixes: dict[int, str], weight_keys: dict[int, list[str]]
