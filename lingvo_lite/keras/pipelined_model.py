@@ -14,10 +14,27 @@ What matches the unpipelined Sequential (tests/pipelined_model_test.py):
 - with BatchNormalization, T = 1 matches exactly; for T > 1 each micro-batch is
   normalised with its own moments (GPipe) and the moving statistics are updated once
   per mini-batch from the exactly pooled moments;
+- every loss reduction but 'none' ('sum_over_batch_size', 'mean',
+  'mean_with_sample_weight', 'sum'), sample_weight and class_weight, `loss_weights`
+  for the one output, metrics and weighted_metrics, `steps_per_execution`, weight
+  regularizers and constraints (tests/keras_settings_test.py);
+- mixed precision: each layer runs under its dtype policy as in Keras (inputs cast,
+  weights autocast); under 'mixed_float16' the loss is scaled before the pipelined
+  backward and the LossScaleOptimizer unscales the gradients, as Keras does;
+- Keras masks (Embedding(mask_zero=True), Masking) travel with their tensors through
+  the layers and across cells, and a masked loss divides by the mini-batch's unmasked
+  count;
 - `get_weights`/`set_weights`/`save_weights`/`load_weights` use the Sequential's
   layout: weights saved from one load into the other. `save('m.keras')` and
   `keras.models.load_model('m.keras')` round-trip the whole model (config, weights,
   compile settings).
+
+Refused up front with a one-line ValueError naming the setting and what to do instead:
+`jit_compile=True`; several losses or loss weights (a layer stack has one output); a
+loss with reduction='none'; layers that call `add_loss` or have activity regularizers;
+an optimizer other than SGD with a trainable Embedding (Keras squares each token
+occurrence's sparse gradient separately, the pipeline's gradient is a dense sum); a
+`.weights.h5` file of another model in `load_weights`.
 
 Training needs equal batches (the pipeline splits a static mini-batch into T
 micro-batches): `fit` on arrays needs a batch_size dividing the number of training
@@ -39,11 +56,15 @@ Example (2 logical CPUs stand in for 2 accelerators; configure them before any T
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+import h5py
 import keras
 import tensorflow as tf
+from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import keras_layer, keras_loss
@@ -128,6 +149,14 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
         if callable(layers) and not isinstance(layers, keras.layers.Layer):
             layers = layers()
         layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
+    if loss is not None:
+        reduction = keras_loss.reduction_of(keras_loss.make_loss(loss))
+        if reduction not in keras_loss.SUPPORTED_REDUCTIONS or reduction == "sum":
+            raise ValueError(
+                f"pipeline_params: the loss's reduction={reduction!r} is not supported in a "
+                "trainer.py task (reduction='sum' needs the number of micro-batches, which "
+                "PipelinedModel passes); use 'sum_over_batch_size' or "
+                "'mean_with_sample_weight'.")
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
         name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
     return pipelining_layer.PipeliningLayer.Params().Set(
@@ -208,6 +237,50 @@ class PipelinedModel(keras.Model):
         """The PipeliningLayer that runs the layers (partition, devices, schedule)."""
         return self._hidden.pipeline
 
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
+                steps_per_execution: int = 1, jit_compile: Any = "auto",
+                auto_scale_loss: bool = True) -> None:
+        """`keras.Model.compile`; a setting the pipeline cannot train exactly is refused here
+        with a ValueError that names it and what to do instead."""
+        if jit_compile is True:
+            raise ValueError(
+                "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
+                "step for one device, and the pipeline places each cell on its own); leave "
+                "jit_compile='auto' or False.")
+        optimizer = keras.optimizers.get(optimizer)
+        self._check_sparse_gradients(optimizer)
+        single_loss = _single(loss, "loss")
+        weight = _single(loss_weights, "loss_weights")
+        if weight is not None and not isinstance(weight, (int, float)):
+            raise ValueError(f"PipelinedModel.compile: loss_weights={loss_weights!r}: give one "
+                             "number (the weight of the model's one loss).")
+        if single_loss is not None:
+            self.pipeline.layers[-1].set_loss(
+                single_loss, None if weight is None else float(weight))
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                        metrics=metrics, weighted_metrics=weighted_metrics,
+                        run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+                        jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
+
+    def _check_sparse_gradients(self, optimizer: keras.optimizers.Optimizer) -> None:
+        # Keras hands an embedding's gradient to the optimizer as IndexedSlices with one
+        # row per occurrence of a token, and an optimizer that squares the gradient (Adam,
+        # RMSprop, ...) squares each occurrence separately; the pipeline's gradient is the
+        # dense sum over micro-batches, which only a linear update (SGD) treats the same.
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if isinstance(inner, keras.optimizers.SGD):
+            return
+        for layer in self.plain.layers:
+            for sub in layer._flatten_layers(include_self=True, recursive=True):
+                if isinstance(sub, keras.layers.Embedding) and sub.trainable:
+                    raise ValueError(
+                        f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
+                        f"trainable Embedding '{sub.name}' would train differently from plain "
+                        "Keras (which squares each token occurrence's gradient separately; the "
+                        "pipeline sums an embedding's gradient first): use SGD, or freeze the "
+                        "embedding (trainable=False).")
+
     def _resolve_auto_jit_compile(self) -> bool:
         # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
         # device, while the pipeline places every cell on its own: default to no XLA.
@@ -225,7 +298,7 @@ class PipelinedModel(keras.Model):
                 out = self._unsplit_forward(NestedMap(x=x))
         if collector is not None:
             collector.apply()
-        return out.predictions
+        return _with_mask(out.predictions, out.get("predictions_mask"))
 
     def _unsplit_forward(self, inputs: NestedMap) -> NestedMap:
         """All cells in order on the whole batch (each on its device): any batch size."""
@@ -243,28 +316,55 @@ class PipelinedModel(keras.Model):
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._static_batch(tf.convert_to_tensor(x))
+        loss, gradients, predictions, collector = self._pipelined_step(x, y, sample_weight)
+        self.optimizer.apply_gradients(zip(gradients, self.plain.trainable_variables))
+        collector.apply()
+        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        return self.compute_metrics(x, y, predictions, sample_weight=sample_weight)
+
+    def loss_and_gradients(self, x: Any, y: Any, sample_weight: Any = None
+                           ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """One pipelined training step's loss and the gradients of the trainable variables
+        (in `self.plain.trainable_variables` order, loss scaling undone); nothing is applied.
+
+        The loss is what `fit` reports for the batch: the compiled loss plus weight penalties.
+        """
+        loss, gradients, _, _ = self._pipelined_step(tf.convert_to_tensor(x), y, sample_weight)
+        scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+        return loss, [g / tf.cast(scale, g.dtype) for g in gradients]
+
+    def _pipelined_step(self, x: tf.Tensor, y: Any, sample_weight: Any
+                        ) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor,
+                                   fprop_context.UpdateCollector]:
+        """(reported loss, gradients for the optimizer, predictions, side updates to apply)."""
         inputs = NestedMap(x=x, y=self._static_batch(tf.convert_to_tensor(y)))
         if sample_weight is not None:
             inputs.sample_weight = self._static_batch(tf.convert_to_tensor(sample_weight))
         pipe = self.pipeline
-        pipe.layers[-1].set_loss(self.loss)  # The loss given to compile().
+        if pipe.layers[-1].loss is None:
+            raise ValueError("PipelinedModel: no loss to train with; compile the model with "
+                             "loss=....")
+        inputs.num_micro_batches = tf.constant(float(pipe.num_micro_batches_for(x.shape[0])))
+        # Mixed-precision loss scaling (LossScaleOptimizer): as Keras scales the loss before
+        # its backward, the loss layer scales each micro-batch's loss, so the pipelined
+        # backward runs on scaled gradients and apply_gradients unscales them.
+        inputs.loss_scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
             out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
         flat = grads.Flatten()
-        variables = self.plain.trainable_variables
         gradients = [flat[i] for i in self._hidden.grad_index]
-        loss = out.loss
-        for i, v in enumerate(variables):  # Weight regularizers: penalties of weights alone.
-            if v.regularizer is not None:
+        loss = out.loss / inputs.loss_scale
+        for i, v in enumerate(self.plain.trainable_variables):
+            if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
                 with tf.device(v.value.device), tf.GradientTape() as tape:
                     penalty = tf.cast(v.regularizer(v), loss.dtype)
-                gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
+                    scaled = penalty * inputs.loss_scale
+                gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
+                                                      gradients[i].dtype)
                 loss = loss + penalty
-        self.optimizer.apply_gradients(zip(gradients, variables))
-        collector.apply()
-        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
-        return self.compute_metrics(x, y, out.predictions, sample_weight=sample_weight)
+        predictions = _with_mask(out.predictions, out.get("predictions_mask"))
+        return loss, gradients, predictions, collector
 
     def _static_batch(self, t: tf.Tensor) -> tf.Tensor:
         if t.shape.rank and t.shape[0] is None and self._hidden.batch_size is not None:
@@ -298,7 +398,42 @@ class PipelinedModel(keras.Model):
         self.plain.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath: str, **kwargs: Any) -> None:
-        self.plain.load_weights(filepath, **kwargs)
+        """Loads weights saved by this model or the plain Sequential. A `.weights.h5` file
+        of another model (more or fewer layers, other shapes) is refused with a one-line
+        ValueError before anything is loaded (Keras would load a prefix of it silently)."""
+        if str(filepath).endswith(".weights.h5"):
+            self._check_weights_file(str(filepath))
+        try:
+            self.plain.load_weights(filepath, **kwargs)
+        except (ValueError, KeyError) as e:
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            raise ValueError(f"PipelinedModel.load_weights('{filepath}'): {first}") from None
+
+    def _check_weights_file(self, filepath: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            own_path = os.path.join(tmp, "own.weights.h5")
+            self.plain.save_weights(own_path)
+            expected = _h5_layout(own_path)
+        try:
+            found = _h5_layout(filepath)
+        except OSError:
+            return  # Not readable as HDF5: Keras' own error follows.
+        if found == expected:
+            return
+        extra = sorted(set(found) - set(expected))
+        missing = sorted(set(expected) - set(found))
+        shape = next((k for k in sorted(expected) if k in found and found[k] != expected[k]), None)
+        if shape is not None:
+            what = f"'{shape}' has shape {found[shape]}, this model's {expected[shape]}"
+        elif extra:
+            what = f"it has weights this model lacks ('{extra[0]}')"
+        else:
+            what = f"it lacks '{missing[0]}'"
+        layers = ", ".join(type(layer).__name__ for layer in self.plain.layers)
+        raise ValueError(
+            f"PipelinedModel.load_weights('{filepath}'): the file does not hold this model's "
+            f"weights: {what}; this model's layers are {layers}: load a file saved from the "
+            "same layers (PipelinedModel.save_weights or the plain Sequential's).")
 
     def get_config(self) -> dict[str, Any]:
         return dict(self._config, name=self.name)
@@ -308,6 +443,35 @@ class PipelinedModel(keras.Model):
         config = dict(config)
         layers = [keras_layer.deserialize(c) for c in config.pop("layers")]
         return cls(layers, **config)
+
+
+def _h5_layout(filepath: str) -> dict[str, tuple[int, ...]]:
+    """Path -> shape of every array in a `.weights.h5` file."""
+    layout = {}
+    with h5py.File(filepath, "r") as f:
+        f.visititems(lambda name, obj: layout.__setitem__(name, tuple(obj.shape))
+                     if isinstance(obj, h5py.Dataset) else None)
+    return layout
+
+
+def _single(setting: Any, name: str) -> Any:
+    """The one entry of a compile setting given for the model's one output (or None)."""
+    if setting is None or not isinstance(setting, (list, tuple, dict)):
+        return setting
+    entries = list(setting.values()) if isinstance(setting, dict) else list(setting)
+    if len(entries) != 1:
+        raise ValueError(
+            f"PipelinedModel.compile: {name} has {len(entries)} entries, but a pipelined "
+            f"layer stack has one output; give one {name[:-1] if name.endswith('s') else name}"
+            " (combine several terms in one loss function).")
+    return entries[0]
+
+
+def _with_mask(predictions: tf.Tensor, mask: Any) -> tf.Tensor:
+    if mask is not None:
+        predictions = tf.identity(predictions)
+        set_keras_mask(predictions, mask)
+    return predictions
 
 
 def _input_shape_of(layers: Any) -> tuple[int, ...]:

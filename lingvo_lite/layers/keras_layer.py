@@ -7,7 +7,11 @@ inside a pipeline cell's device scope, the layer builds its Keras weights there;
 `tf.Variable`s are this layer's variables and `theta`. `FProp(theta, x)` runs the
 Keras layer with `stateless_call` on theta, so the pipeline can read a cell's weights
 on the cell's device, differentiate with respect to them and recompute the forward.
-A nested `Sequential` or functional model is one layer.
+A nested `Sequential` or functional model is one layer. The layer is called as Keras calls
+it (`Layer.__call__` under a stateless scope): inputs cast to its compute dtype and weights
+autocast under a mixed dtype policy, and a Keras mask passed in and computed for the output
+(it travels in the boundary map's `<field>_mask` entry). A layer that adds a loss in its call
+(`add_loss`) is refused: the pipeline trains the compiled loss only.
 
 State is made exact under micro-batching and recomputation (any depth of nesting):
 - Dropout, SpatialDropout*, GaussianNoise and GaussianDropout draw, for the examples
@@ -47,8 +51,10 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.backend.common.stateless_scope import StatelessScope
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, weight_params
+from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
 from lingvo_lite.layers import keras_flops, keras_random
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
@@ -59,6 +65,7 @@ __all__ = [
     "deserialize",
     "iter_keras_layers",
     "KerasLayer",
+    "mask_key",
     "serialize",
     "variable_keys",
 ]
@@ -164,9 +171,11 @@ def check_supported(layer: keras.layers.Layer) -> None:
                 "pipelined layers (or run it outside the pipeline).")
 
 
-def check_call_state(layer: keras.layers.Layer, input_shape: Any) -> None:
+def check_call_state(layer: keras.layers.Layer, input_shape: Any,
+                     input_dtype: Any = tf.float32) -> None:
     """Raises a ValueError naming any weight a training call of `layer` writes that
-    lingvo-lite cannot make exact (all but batch norm's statistics and seed states).
+    lingvo-lite cannot make exact (all but batch norm's statistics and seed states),
+    and any layer that adds a loss in its call (add_loss).
 
     Runs the layer once on zeros of one example; call it inside `tf.Graph().as_default()`
     so nothing executes (pipeline_params does).
@@ -181,16 +190,63 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any) -> None:
     for sub in _sublayers(layer):
         if isinstance(sub, keras.layers.BatchNormalization):
             handled.update((id(sub.moving_mean), id(sub.moving_variance)))
-        elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
-            handled.add(id(sub.seed_generator.state))
+        elif _seed_state(sub) is not None:
+            handled.add(id(_seed_state(sub)))
     trainable = [tf.zeros(v.shape, v.dtype) for v in layer.trainable_variables]
     non_trainable = [tf.zeros(v.shape, v.dtype) for v in layer.non_trainable_variables]
     kwargs = {"training": True} if getattr(layer, "_call_has_training_arg", True) else {}
-    _, new = layer.stateless_call(trainable, non_trainable, tf.zeros([1, *input_shape]),
-                                  **kwargs)
+    _, new, losses = stateless_call(layer, trainable, non_trainable,
+                                    tf.zeros([1, *input_shape], input_dtype), None, kwargs)
+    if losses:
+        raise ValueError(_added_loss_error(layer))
     for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
         if value is not old and id(v) not in handled:
             raise ValueError(_state_error(layer, v.path))
+
+
+def _seed_state(layer: keras.layers.Layer) -> Any:
+    """The seed-generator state of a mapped random layer; None when it draws nothing.
+
+    Keras 3 gives Dropout(rate=0.0) (e.g. inside MultiHeadAttention(dropout=0.0)) no
+    seed generator at all.
+    """
+    if not isinstance(layer, _DROPOUT_CLASSES + _NOISE_CLASSES):
+        return None
+    generator = getattr(layer, "seed_generator", None)
+    return None if generator is None else generator.state
+
+
+def mask_key(field: str) -> str:
+    """The boundary-map entry that carries the Keras mask of entry `field` ('x' -> 'x_mask')."""
+    return f"{field}_mask"
+
+
+def stateless_call(layer: keras.layers.Layer, trainable: list[Any], non_trainable: list[Any],
+                   x: Any, mask: Any, kwargs: dict[str, Any]) -> tuple[Any, list[Any], list[Any]]:
+    """`layer(x, **kwargs)` with its variables read from the given values, as Keras calls it.
+
+    Unlike `Layer.stateless_call` (which runs `call` directly), this goes through
+    `Layer.__call__`: inputs are cast to the layer's compute dtype and its variables
+    autocast under a mixed dtype policy, and `mask` reaches the layer and its output
+    mask is computed, exactly as in a plain Keras model.
+
+    Returns (outputs, new non-trainable values, losses the call added with add_loss).
+    """
+    mapping = list(zip(layer.trainable_variables, trainable))
+    mapping += list(zip(layer.non_trainable_variables, non_trainable))
+    if mask is not None:
+        x = tf.identity(x)  # Its own tensor: the mask attribute is set on it.
+        set_keras_mask(x, mask)
+    with StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        y = layer(x, **kwargs)
+        losses = list(scope.losses)
+    return y, [scope.get_current_value(v) for v in layer.non_trainable_variables], losses
+
+
+def _added_loss_error(layer: keras.layers.Layer) -> str:
+    return (f"Keras layer '{layer.name}' ({type(layer).__name__}) adds a loss in its call "
+            "(add_loss); the pipeline trains only the compiled loss and would drop it: "
+            "compute that term in compile(loss=...) or remove it.")
 
 
 def _state_error(layer: keras.layers.Layer, what: str) -> str:
@@ -263,16 +319,14 @@ def _patch_noise(layer: keras.layers.Layer) -> None:
         if rec is None:
             return original(inputs, training=training)
         inputs = tf.convert_to_tensor(inputs)
+        if not training or not _draws(layer):
+            return inputs
         state = layer.seed_generator.state.value
         offset = rec.ctx.example_offset
         dtype = tf.as_dtype(layer.compute_dtype)
         if gaussian_dropout:
-            if not training or layer.rate <= 0:
-                return inputs
             stddev = (layer.rate / (1.0 - layer.rate)) ** 0.5
             return inputs * keras_random.normal(tf.shape(inputs), 1.0, stddev, state, offset, dtype)
-        if not training or layer.stddev <= 0:
-            return inputs
         return inputs + keras_random.normal(tf.shape(inputs), 0.0, layer.stddev, state, offset,
                                             dtype)
 
@@ -383,7 +437,8 @@ class KerasLayer(base_layer.BaseLayer):
                     (sub, key_of[id(sub.moving_mean)], key_of[id(sub.moving_variance)]))
             elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
                 (_patch_dropout if isinstance(sub, _DROPOUT_CLASSES) else _patch_noise)(sub)
-                self._random.append((sub, key_of[id(sub.seed_generator.state)]))
+                if _seed_state(sub) is not None:
+                    self._random.append((sub, key_of[id(_seed_state(sub))]))
         self._handled = {k for _, m, v in self._batch_norms for k in (m, v)}
         self._handled.update(k for _, k in self._random)
 
@@ -393,16 +448,28 @@ class KerasLayer(base_layer.BaseLayer):
         return self._layer
 
     def FProp(self, theta: NestedMap, inputs: Any) -> Any:
-        """The Keras layer on `inputs` (or on `inputs.<field>`), weights read from theta."""
-        x = inputs.GetItem(self.params.field) if isinstance(inputs, NestedMap) else inputs
+        """The Keras layer on `inputs` (or on `inputs.<field>`), weights read from theta.
+
+        A Keras mask travels beside its tensor in the entry `mask_key(field)`: the layer
+        receives it as Keras would pass it, and its output mask (None removes it) replaces it.
+        """
+        field = self.params.field
+        mask = None
+        if isinstance(inputs, NestedMap):
+            x = inputs.GetItem(field)
+            mask = inputs.get(mask_key(field)) if "." not in field else None
+        else:
+            x = inputs
         ctx = fprop_context.current()
         trainable = [theta[k] for k in self._trainable_keys]
         non_trainable = [theta[k] for k in self._non_trainable_keys]
         kwargs = {"training": ctx.training} if getattr(
             self._layer, "_call_has_training_arg", True) else {}
         with _Recording(_Recorder(ctx)) as rec:
-            y, new_non_trainable = self._layer.stateless_call(
-                trainable, non_trainable, x, **kwargs)
+            y, new_non_trainable, losses = stateless_call(
+                self._layer, trainable, non_trainable, x, mask, kwargs)
+        if losses:
+            raise ValueError(_added_loss_error(self._layer))
         for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
             if new is not old and key not in self._handled:
                 raise ValueError(_state_error(self._layer, key))
@@ -416,11 +483,25 @@ class KerasLayer(base_layer.BaseLayer):
                                  if id(bn) in rec.moments})
             stats = NestedMap(moments=moments, draws=tf.constant(1.0))
             ctx.updates.add(self, stats)
-        if isinstance(inputs, NestedMap):
-            out = inputs.copy()
-            out.Set(self.params.field, y)
-            return out
-        return y
+        out_mask = get_keras_mask(y)
+        if not isinstance(inputs, NestedMap):
+            if out_mask is not None:
+                raise ValueError(
+                    f"Keras layer '{self._layer.name}' at {self.path} returns a masked tensor, "
+                    "but its input is a bare tensor that cannot carry the mask: give the "
+                    "layer a NestedMap input (the mask travels in its "
+                    f"'{mask_key(field)}' entry).")
+            return y
+        out = inputs.copy()
+        out.Set(field, y)
+        if out_mask is not None or mask is not None:
+            out.Set(mask_key(field), out_mask)
+        return out
+
+    @property
+    def uses_batch_statistics(self) -> bool:
+        """Whether the layer normalises with statistics of its batch (batch norm, nested too)."""
+        return any(bn.trainable for bn, _, _ in self._batch_norms)
 
     def ApplyUpdates(self, stats_list: list[NestedMap]) -> tf.Operation:
         """Once per mini-batch: pooled batch-norm moments, one seed-generator step.
@@ -475,7 +556,8 @@ class KerasLayer(base_layer.BaseLayer):
             out = out_shape
         # Keras applies its own weights: their gradients are never deferred (weight_ops).
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
-                                     non_trainable_params=non_trainable, weight_op_bytes=0)
+                                     non_trainable_params=non_trainable,
+                                     memory=layer_memory.MemoryRecord(weight_op_bytes=0))
 
 
 def iter_keras_layers(layers: Any) -> Iterator[keras.layers.Layer]:

@@ -1,16 +1,29 @@
 """A Keras loss as a pipeline's last layer: NestedMap(x, y[, sample_weight]) -> loss.
 
-PipeliningLayer trains a layer list whose last layer returns a NestedMap with a
-scalar `loss`, the mean over its micro-batch. `KerasLossLayer` computes a Keras loss
-(`'sparse_categorical_crossentropy'`, `keras.losses.Huber()`, ...) on the boundary
-map's predictions `x` and labels `y` with Keras' default reduction
-('sum_over_batch_size': sum of the weighted per-example losses divided by the number
-of examples), so the mean over T equal micro-batches is exactly the mini-batch loss
-`Model.fit` computes. Without labels (inference) it returns only the predictions.
+PipeliningLayer trains a layer list whose last layer returns a NestedMap with a scalar
+`loss` per micro-batch; the mini-batch loss is their mean, or their mean weighted by a
+scalar `loss_weight` output. `KerasLossLayer` computes a Keras loss
+(`'sparse_categorical_crossentropy'`, `keras.losses.Huber(reduction='sum')`, ...) on the
+boundary map's predictions `x` and labels `y` so that this combination is exactly the
+loss Keras' `Model.fit` computes on the whole mini-batch, for every reduction:
 
-Outputs: `loss` (with labels), `predictions` (the micro-batch's `x`, concatenated
-over micro-batches by the pipeline) and `num_examples` is deliberately not returned:
-the micro-batches weigh equally, as Keras' reduction does.
+- 'sum_over_batch_size' / 'mean' (the default): the micro-batch's weighted sum over its
+  number of loss values; equal micro-batches weigh equally. With a Keras mask on the
+  predictions (entry `x_mask`), Keras divides by the number of unmasked values of the
+  whole mini-batch: the layer returns its sum over its own unmasked count and that count
+  as `loss_weight`.
+- 'mean_with_sample_weight': likewise with the micro-batch's total sample weight (times
+  the mask) as `loss_weight`: the mini-batch loss divides by the whole batch's total.
+- 'sum': the micro-batch's sum times the number of micro-batches (the scalar input
+  `num_micro_batches`, which PipelinedModel passes), so the mean over micro-batches is
+  the sum.
+
+`p.keras_loss_weight` (compile's `loss_weights` for the one output) multiplies the loss; a
+scalar input `loss_scale` (mixed-precision loss scaling) multiplies it too.
+
+Outputs: `loss` (with labels), `predictions` (the micro-batch's `x`, concatenated over
+micro-batches by the pipeline) and `predictions_mask` when `x` has a mask. Without
+labels (inference) only the predictions.
 
 Example:
     >>> import tensorflow as tf
@@ -24,16 +37,23 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.masking import set_keras_mask
 from keras.src.losses import LossFunctionWrapper  # What compile() wraps loss functions in.
+from keras.src.losses.loss import apply_mask
 
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
 
-__all__ = ["KerasLossLayer", "make_loss", "serialize_loss"]
+__all__ = ["KerasLossLayer", "make_loss", "micro_batch_loss", "reduction_of", "serialize_loss",
+           "SUPPORTED_REDUCTIONS"]
+
+# Reductions whose mini-batch loss the micro-batches reproduce exactly (module doc).
+SUPPORTED_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
 
 # Per prediction element: a log, a multiply and a sum (cross-entropy-like losses).
 LOSS_FLOPS_PER_ELEMENT = 3
@@ -55,6 +75,11 @@ def make_loss(config: Any) -> keras.losses.Loss:
     return loss
 
 
+def reduction_of(loss: keras.losses.Loss) -> str | None:
+    """The reduction a Keras loss applies to its per-example values."""
+    return getattr(loss, "reduction", "sum_over_batch_size")
+
+
 def serialize_loss(loss: Any) -> Any:
     """What `KerasLossLayer.Params().loss` holds for `loss` (a name stays a name).
 
@@ -63,6 +88,42 @@ def serialize_loss(loss: Any) -> Any:
         'Huber'
     """
     return loss if isinstance(loss, str) else keras.losses.serialize(loss)
+
+
+def micro_batch_loss(loss: keras.losses.Loss, x: tf.Tensor, mask: Any, y: Any,
+                     sample_weight: Any = None, num_micro_batches: Any = None,
+                     where: str = "KerasLossLayer") -> tuple[tf.Tensor, tf.Tensor | None]:
+    """(loss, loss_weight or None) of one micro-batch, whose (weighted) mean over the
+    micro-batches is Keras' loss of the whole mini-batch; see the module doc.
+
+    `mask`: the Keras mask of the predictions `x` (or None); `num_micro_batches` is needed
+    for reduction='sum' only.
+    """
+    reduction = reduction_of(loss)
+    if mask is not None:
+        x = tf.identity(x)  # Its own tensor: the mask attribute is set on it.
+        set_keras_mask(x, mask)
+    # The weighted, masked values before the reduction, by Keras' own code.
+    unreduced = copy.copy(loss)
+    unreduced.reduction = "none"
+    values = tf.cast(unreduced(y, x, sample_weight=sample_weight), tf.float32)
+    total = tf.reduce_sum(values)
+    if reduction == "sum":
+        if num_micro_batches is None:
+            raise ValueError(
+                f"{where}: reduction='sum' needs the scalar input num_micro_batches "
+                "(PipelinedModel passes it); use reduction='sum_over_batch_size'.")
+        return total * tf.cast(num_micro_batches, tf.float32), None
+    count = None  # The micro-batch's share of Keras' divisor, when it varies.
+    if reduction == "mean_with_sample_weight":
+        if sample_weight is not None or mask is not None:
+            weights = None if sample_weight is None else tf.cast(sample_weight, tf.float32)
+            count = tf.reduce_sum(apply_mask(weights, mask, tf.float32, reduction))
+    elif mask is not None:
+        count = tf.reduce_sum(tf.cast(mask, tf.float32))
+    if count is None:
+        return tf.math.divide_no_nan(total, tf.cast(tf.size(values), tf.float32)), None
+    return tf.math.divide_no_nan(total, count), count
 
 
 class KerasLossLayer(base_layer.BaseLayer):
@@ -75,6 +136,8 @@ class KerasLossLayer(base_layer.BaseLayer):
                  "The Keras loss: a name ('sparse_categorical_crossentropy') or a "
                  "serialized keras.losses.Loss (keras_loss.serialize_loss(loss)). None: "
                  "inference only until `set_loss` (a Keras model sets it in compile).")
+        p.Define("keras_loss_weight", None,
+                 "A float that multiplies the loss (compile's loss_weights), or None.")
         p.Define("sparse_accuracy", False,
                  "Also return `accuracy`: the share of examples whose largest prediction is "
                  "the label y (integer class ids), e.g. for trainer.py's eval summaries.")
@@ -82,11 +145,23 @@ class KerasLossLayer(base_layer.BaseLayer):
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
         super().__init__(params)
-        self._loss = make_loss(self.params.loss) if self.params.loss is not None else None
+        self._loss = None
+        self.set_loss(self.params.loss, self.params.keras_loss_weight)
 
-    def set_loss(self, loss: Any) -> None:
-        """Uses `loss` (any form `compile(loss=...)` takes) from now on."""
+    def set_loss(self, loss: Any, loss_weight: float | None = None) -> None:
+        """Uses `loss` (any form `compile(loss=...)` takes), times `loss_weight`, from now on."""
         self._loss = make_loss(loss) if loss is not None else None
+        self._loss_weight = loss_weight
+        if self._loss is not None and reduction_of(self._loss) not in SUPPORTED_REDUCTIONS:
+            raise ValueError(
+                f"{self.path}: the loss's reduction={reduction_of(self._loss)!r} returns a "
+                "loss per example, not one number a pipeline can train on; use "
+                f"one of {', '.join(repr(r) for r in SUPPORTED_REDUCTIONS)}.")
+
+    @property
+    def loss(self) -> keras.losses.Loss | None:
+        """The Keras loss the layer trains with (None: inference only)."""
+        return self._loss
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         """NestedMap(predictions=x) plus, when `inputs` has labels `y`, the scalar `loss`."""
@@ -94,17 +169,27 @@ class KerasLossLayer(base_layer.BaseLayer):
         if not isinstance(inputs, NestedMap) or "x" not in inputs:
             raise ValueError(f"{self.path}: expects NestedMap(x=predictions, y=labels"
                              f"[, sample_weight]), got {type(inputs).__name__}.")
-        out = NestedMap(predictions=inputs.x)
+        x, mask = inputs.x, inputs.get("x_mask")
+        out = NestedMap(predictions=x)
+        if mask is not None:
+            out.predictions_mask = mask
         y = inputs.get("y")
         if y is None:
             return out
         if self._loss is None:
             raise ValueError(f"{self.path}: no loss to train with; compile the model with "
                              "loss=... (or set p.loss).")
-        out.loss = tf.cast(self._loss(y, inputs.x, sample_weight=inputs.get("sample_weight")),
-                           tf.float32)
+        loss, weight = micro_batch_loss(self._loss, x, mask, y, inputs.get("sample_weight"),
+                                        inputs.get("num_micro_batches"), self.path)
+        if self._loss_weight is not None:
+            loss = loss * tf.cast(self._loss_weight, loss.dtype)
+        if inputs.get("loss_scale") is not None:
+            loss = loss * tf.cast(inputs.loss_scale, loss.dtype)
+        out.loss = loss
+        if weight is not None:
+            out.loss_weight = weight
         if self.params.sparse_accuracy:
-            predicted = tf.argmax(inputs.x, axis=-1, output_type=tf.int32)
+            predicted = tf.argmax(x, axis=-1, output_type=tf.int32)
             correct = tf.equal(predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted)))
             out.accuracy = tf.reduce_mean(tf.cast(correct, tf.float32))
         return out
@@ -115,6 +200,8 @@ class KerasLossLayer(base_layer.BaseLayer):
             inputs.x if isinstance(inputs, NestedMap) else inputs))
         flops = LOSS_FLOPS_PER_ELEMENT * int(shape.num_elements() or 0)
         out = NestedMap(predictions=shape, loss=tf.TensorShape([]))
+        if isinstance(inputs, NestedMap) and inputs.get("x_mask") is not None:
+            out.predictions_mask = tf.TensorShape(base_layer.to_shape(inputs.x_mask))
         if p.sparse_accuracy:
             out.accuracy = tf.TensorShape([])
         return base_layer.fprop_meta(flops, out, 0, tf.float32)

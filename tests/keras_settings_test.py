@@ -1,0 +1,328 @@
+"""Every compile/fit setting of PipelinedModel: trained exactly like plain Keras, or refused.
+
+The reference is always the plain `keras.Sequential` with the same layers and initial
+weights: one step's loss and gradients from Keras' own `compute_loss` under a tape, and
+weights after a few plain `fit` steps (SGD and Adam). The pipeline runs K=2 cells and
+T=4 micro-batches (T=2 where the micro-batches must differ in their masked counts).
+Refusals are checked to be one-line ValueErrors raised before any step runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from lingvo_lite.keras import PipelinedModel
+
+N, D, CLASSES = 8, 5, 3
+TOL = 2e-5
+
+
+def _dense_stack(**dense_kwargs) -> list[keras.layers.Layer]:
+    return [keras.layers.Dense(8, activation="tanh", **dense_kwargs),
+            keras.layers.Dense(CLASSES)]
+
+
+def _data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    y = (np.arange(N) % CLASSES).astype(np.int32)
+    sample_weight = np.linspace(0.25, 2.0, N).astype(np.float32)
+    return x, y, sample_weight
+
+
+def _pair(make_layers, input_shape=(D,), num_micro_batches=4, num_cells=2
+          ) -> tuple[keras.Sequential, PipelinedModel]:
+    """The plain Sequential and a PipelinedModel with the same initial weights."""
+    keras.utils.set_random_seed(11)
+    plain = keras.Sequential([keras.Input(input_shape), *make_layers()])
+    pipelined = PipelinedModel(plain, num_cells=num_cells, num_micro_batches=num_micro_batches,
+                               partition_method="uniform")
+    keras.utils.set_random_seed(11)
+    plain = keras.Sequential([keras.Input(input_shape), *make_layers()])
+    return plain, pipelined
+
+
+def _sparse_xent(**kwargs) -> keras.losses.Loss:
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+
+def _plain_loss_and_gradients(plain: keras.Model, x, y, sample_weight=None):
+    with tf.GradientTape() as tape:
+        y_pred = plain(x, training=True)
+        loss = plain.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    grads = tape.gradient(loss, plain.trainable_variables)
+    return loss, [tf.convert_to_tensor(g) for g in grads]  # Embedding's: IndexedSlices.
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64))))
+               for u, v in zip(a, b))
+
+
+class SettingsTest(tf.test.TestCase):
+
+    def assert_same_step(self, plain, pipelined, x, y, sample_weight=None, tol=TOL):
+        """One step's loss and every gradient agree with plain Keras' on the same weights."""
+        ref_loss, ref_grads = _plain_loss_and_gradients(plain, x, y, sample_weight)
+        loss, grads = pipelined.loss_and_gradients(x, y, sample_weight)
+        self.assertAllClose(float(ref_loss), float(loss), rtol=tol, atol=tol)
+        self.assertLen(grads, len(ref_grads))
+        for g, r in zip(grads, ref_grads):
+            self.assertAllClose(r, tf.convert_to_tensor(g), rtol=tol, atol=tol)
+
+    def assert_same_fit(self, make_layers, compile_kwargs, fit_kwargs=None, data=None,
+                        optimizers=("sgd", "adam"), tol=TOL, **pair_kwargs) -> float:
+        """Weights after 3 plain fit steps equal the pipelined ones; returns the max diff."""
+        x, y, _ = data or _data()
+        worst = 0.0
+        for optimizer in optimizers:
+            plain, pipelined = _pair(make_layers, **pair_kwargs)
+            for model in (plain, pipelined):
+                opt = keras.optimizers.get({"sgd": "SGD", "adam": "Adam"}[optimizer])
+                opt.learning_rate = 0.1 if optimizer == "sgd" else 0.01
+                model.compile(optimizer=opt, **copy.deepcopy(compile_kwargs))  # Own metrics.
+                model.fit(x, y, epochs=3, shuffle=False, verbose=0,
+                          **{"batch_size": N, **(fit_kwargs or {})})
+            with self.subTest(optimizer=optimizer):
+                self.assertGreater(_max_diff(plain.get_weights(), _pair(make_layers, **pair_kwargs)[0]
+                                             .get_weights()), 1e-3)  # It trained.
+                for a, b in zip(pipelined.get_weights(), plain.get_weights()):
+                    self.assertAllClose(b, a, rtol=tol, atol=tol)
+                for key in plain.history.history:
+                    self.assertAllClose(plain.history.history[key],
+                                        pipelined.history.history[key], rtol=tol, atol=tol)
+            worst = max(worst, _max_diff(pipelined.get_weights(), plain.get_weights()))
+        return worst
+
+    def assert_one_line_refusal(self, pattern: str, fn) -> None:
+        with self.assertRaisesRegex(ValueError, pattern) as caught:
+            fn()
+        message = str(caught.exception)
+        self.assertNotIn("\n", message)
+        self.assertIsNone(caught.exception.__cause__)
+
+    # -- loss settings -------------------------------------------------------------
+
+    def test_reduction_sum(self):
+        x, y, w = _data()
+        plain, pipelined = _pair(_dense_stack)
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent(reduction="sum"))
+        self.assert_same_step(plain, pipelined, x, y)
+        self.assert_same_step(plain, pipelined, x, y, w)
+        self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent(reduction="sum")))
+
+    def test_reduction_mean_with_sample_weight(self):
+        x, y, w = _data()
+        loss = _sparse_xent(reduction="mean_with_sample_weight")
+        plain, pipelined = _pair(_dense_stack)
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=loss)
+        self.assert_same_step(plain, pipelined, x, y, w)
+        self.assert_same_step(plain, pipelined, x, y)
+        self.assert_same_fit(_dense_stack, dict(loss=loss), dict(sample_weight=w))
+
+    def test_default_reduction_with_sample_and_class_weights(self):
+        x, y, w = _data()
+        plain, pipelined = _pair(_dense_stack)
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent())
+        self.assert_same_step(plain, pipelined, x, y, w)
+        self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()), dict(sample_weight=w))
+        self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()),
+                             dict(class_weight={0: 0.5, 1: 2.0, 2: 1.0}))
+
+    def test_loss_weights_are_honoured(self):
+        x, y, w = _data()
+        for loss_weights in ([3.0], 3.0, {"out": 3.0}):
+            with self.subTest(loss_weights=loss_weights):
+                plain, pipelined = _pair(_dense_stack)
+                for model in (plain, pipelined):
+                    model.compile(optimizer="sgd", loss=_sparse_xent(), loss_weights=loss_weights)
+                self.assert_same_step(plain, pipelined, x, y, w)
+        self.assert_same_fit(_dense_stack, dict(loss="mse", loss_weights=[3.0]),
+                             data=(x, np.eye(CLASSES, dtype=np.float32)[y], None))
+
+    def test_several_losses_are_refused_in_one_line(self):
+        _, pipelined = _pair(_dense_stack)
+        self.assert_one_line_refusal(
+            "loss has 2 entries, but a pipelined layer stack has one output",
+            lambda: pipelined.compile(loss=[_sparse_xent(), "mse"]))
+        self.assert_one_line_refusal(
+            "loss_weights has 2 entries",
+            lambda: pipelined.compile(loss=_sparse_xent(), loss_weights=[1.0, 2.0]))
+        self.assert_one_line_refusal(
+            "reduction='none'.*use one of 'sum_over_batch_size'",
+            lambda: pipelined.compile(loss=_sparse_xent(reduction="none")))
+
+    def test_metrics_and_steps_per_execution(self):
+        self.assert_same_fit(
+            _dense_stack, dict(loss=_sparse_xent(), steps_per_execution=2,
+                               metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(
+                                   from_logits=True)], weighted_metrics=["accuracy"]),
+            dict(sample_weight=_data()[2]), optimizers=("adam",))
+        self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent(), steps_per_execution=2),
+                             dict(batch_size=N // 2), optimizers=("sgd",), num_micro_batches=2)
+
+    def test_jit_compile_is_refused_in_one_line(self):
+        _, pipelined = _pair(_dense_stack)
+        self.assert_one_line_refusal("jit_compile=True is not supported",
+                                     lambda: pipelined.compile(loss="mse", jit_compile=True))
+
+    # -- mixed precision ---------------------------------------------------------------
+
+    def test_mixed_precision_policies(self):
+        x, y, w = _data()
+        try:
+            keras.mixed_precision.set_global_policy("mixed_float16")
+            plain, pipelined = _pair(_dense_stack)
+            self.assertEqual(pipelined.plain.layers[0].compute_dtype, "float16")
+            for model in (plain, pipelined):
+                model.compile(optimizer="sgd", loss=_sparse_xent())
+            # Both wrap the optimizer in a LossScaleOptimizer; the step's gradients are
+            # taken on the scaled loss and unscaled.
+            self.assertIsInstance(pipelined.optimizer, keras.optimizers.LossScaleOptimizer)
+            self.assert_same_step(plain, pipelined, x, y, w, tol=2e-3)
+            self.fp16_diff = self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()),
+                                                  tol=2e-3)
+            keras.mixed_precision.set_global_policy("mixed_bfloat16")
+            plain, pipelined = _pair(_dense_stack)
+            for model in (plain, pipelined):
+                model.compile(optimizer="sgd", loss=_sparse_xent())
+            predictions = pipelined.predict(x, verbose=0)
+            self.assertEqual(predictions.dtype, np.dtype(tf.bfloat16.as_numpy_dtype))
+            self.assert_same_step(plain, pipelined, x, y, w, tol=2e-2)
+            self.bf16_diff = self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()),
+                                                  tol=2e-2)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    # -- layers --------------------------------------------------------------------
+
+    def test_regularizers_and_constraints(self):
+        def layers():
+            return [keras.layers.Dense(8, activation="tanh",
+                                       kernel_regularizer=keras.regularizers.L2(0.1),
+                                       kernel_constraint=keras.constraints.MaxNorm(0.3)),
+                    keras.layers.Dense(CLASSES, bias_constraint=keras.constraints.NonNeg())]
+
+        x, y, w = _data()
+        plain, pipelined = _pair(layers)
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent())
+        self.assert_same_step(plain, pipelined, x, y, w)
+        self.assert_same_fit(layers, dict(loss=_sparse_xent()))
+
+    def test_zero_dropout_and_default_attention(self):
+        def layers():
+            return [keras.layers.Dense(8), keras.layers.Dropout(0.0),
+                    SelfAttention(), keras.layers.GlobalAveragePooling1D(),
+                    keras.layers.Dense(CLASSES)]
+
+        x = np.random.default_rng(1).normal(size=(N, 3, D)).astype(np.float32)
+        y = _data()[1]
+        plain, pipelined = _pair(layers, input_shape=(3, D))
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent())
+        self.assert_same_step(plain, pipelined, x, y)
+        # SGD: the attention's key bias has an analytically zero gradient, whose rounding
+        # noise Adam would normalise to full-size steps in both models.
+        self.assert_same_fit(layers, dict(loss=_sparse_xent()), data=(x, y, None),
+                             input_shape=(3, D), optimizers=("sgd",))
+
+    def test_add_loss_is_refused_in_one_line(self):
+        self.assert_one_line_refusal(
+            "'penalised' \\(AddsLoss\\) adds a loss in its call \\(add_loss\\)",
+            lambda: PipelinedModel([keras.layers.Dense(4), AddsLoss(name="penalised")],
+                                   input_shape=(D,), num_cells=2))
+
+    def test_load_weights_of_another_model_is_one_line(self):
+        path = os.path.join(tempfile.mkdtemp(), "other.weights.h5")
+        other = keras.Sequential([keras.Input((D,)), *_dense_stack(),
+                                  keras.layers.Dense(2)])
+        other.save_weights(path)
+        _, pipelined = _pair(_dense_stack)
+        self.assert_one_line_refusal("does not hold this model's weights",
+                                     lambda: pipelined.load_weights(path))
+        different_last = keras.Sequential([keras.Input((D,)), keras.layers.Dense(8),
+                                           keras.layers.Dense(CLASSES + 1)])
+        different_last.save_weights(path)
+        self.assert_one_line_refusal("does not hold this model's weights",
+                                     lambda: pipelined.load_weights(path))
+
+    # -- masks -----------------------------------------------------------------------
+
+    def test_masks_travel_across_cells(self):
+        vocab, length = 7, 6
+        rng = np.random.default_rng(2)
+        tokens = rng.integers(1, vocab, size=(N, length)).astype(np.int32)
+        for i in range(N):  # Padding differs per example, hence per micro-batch.
+            tokens[i, length - i % length:] = 0
+        y = _data()[1]
+
+        def pooled():
+            return [keras.layers.Embedding(vocab, 4, mask_zero=True),
+                    keras.layers.Dense(6, activation="tanh"),
+                    keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(CLASSES)]
+
+        plain, pipelined = _pair(pooled, input_shape=(length,), num_cells=3)
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent())
+        self.assert_same_step(plain, pipelined, tokens, y)
+        self.assertAllClose(plain.predict(tokens, verbose=0),
+                            pipelined.predict(tokens, verbose=0), rtol=TOL, atol=TOL)
+        self.assert_same_fit(pooled, dict(loss=_sparse_xent()), data=(tokens, y, None),
+                             input_shape=(length,), num_cells=3, optimizers=("sgd",))
+        self.assert_one_line_refusal(
+            "optimizer Adam with the trainable Embedding 'embedding.*' would train differently",
+            lambda: pipelined.compile(optimizer="adam", loss=_sparse_xent()))
+
+        def per_token():  # The loss itself is masked: Keras divides by the unmasked count.
+            return [keras.layers.Embedding(vocab, 4, mask_zero=True),
+                    keras.layers.Dense(CLASSES)]
+
+        labels = rng.integers(0, CLASSES, size=(N, length)).astype(np.int32)
+        for reduction in ("sum_over_batch_size", "mean_with_sample_weight", "sum"):
+            with self.subTest(reduction=reduction):
+                plain, pipelined = _pair(per_token, input_shape=(length,), num_micro_batches=2)
+                for model in (plain, pipelined):
+                    model.compile(optimizer="sgd", loss=_sparse_xent(reduction=reduction))
+                self.assert_same_step(plain, pipelined, tokens, labels)
+                token_weights = rng.uniform(0.5, 2.0, size=(N, length)).astype(np.float32)
+                self.assert_same_step(plain, pipelined, tokens, labels, token_weights)
+        self.assert_same_fit(per_token, dict(loss=_sparse_xent()), data=(tokens, labels, None),
+                             input_shape=(length,), num_micro_batches=2, optimizers=("sgd",))
+
+
+@keras.saving.register_keras_serializable(package="keras_settings_test")
+class SelfAttention(keras.layers.Layer):
+    """MultiHeadAttention with its default dropout=0.0, attending over its own input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)
+
+    def build(self, input_shape):
+        self.attention.build(input_shape, input_shape)
+
+    def call(self, x):
+        return self.attention(x, x)
+
+
+@keras.saving.register_keras_serializable(package="keras_settings_test")
+class AddsLoss(keras.layers.Layer):
+    """Adds the mean square of its input to the loss."""
+
+    def call(self, x):
+        self.add_loss(tf.reduce_mean(tf.square(x)))
+        return x
+
+
+if __name__ == "__main__":
+    tf.test.main()
