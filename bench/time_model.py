@@ -13,13 +13,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lingvo_lite.analysis import simulator
+import shared_processors  # noqa: E402
+
+from lingvo_lite.analysis import simulator  # noqa: E402
+from lingvo_lite.analysis.simulator import BACKWARD_RATIO  # noqa: E402
 from lingvo_lite.pipeline import remat as remat_lib  # noqa: E402
-from lingvo_lite.pipeline import schedule
+from lingvo_lite.pipeline import schedule  # noqa: E402
 from lingvo_lite.pipeline.schedule import Action, Phase  # noqa: E402
 
-BACKWARD_RATIO = 2.0
 TOLERANCE = 0.15  # Issue 16: within 15% of the measured step,
 ISSUE_MICRO_BATCHES = (1, 4, 8)  # at these T.
 
@@ -59,9 +62,10 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
     that add the whole update after the last action). (Results recorded before the kept pair
     was timed predict a kept B as the backward call less the forward.) `processors`: the
     host's cores when the K serial devices outnumber them (they then time-share the cores,
-    `simulator.simulate`'s `processors`); None: each device runs on a core of its own.
+    `shared_processors.replay`); None: each device runs on a core of its own.
     `co_run`: each call's time beside a copy of itself over its time alone, keyed as `costs`
-    (phases, and `update_cells`): the cores' co-run slowdown (`simulator.CoRunSlowdown`);
+    (phases, and `update_cells`): the cores' co-run slowdown
+    (`shared_processors.CoRunSlowdown`);
     needs `processors`. `serial_devices`: the steps ran on serial devices, where a kept
     micro-batch's B is one call whose weight gradients cannot be deferred (`Executor.
     _train_forward`): its B computes them (the kept pair is timed so) and its W has nothing
@@ -97,11 +101,11 @@ def predicted_from_phase_costs(costs: dict, schedule_name: str, num_micro_batche
         update = per_device(sched, costs["update_cells"])
     slowdown = None
     if co_run is not None:
-        slowdown = simulator.CoRunSlowdown(
+        slowdown = shared_processors.CoRunSlowdown(
             actions=lambda a: co_run[call_of(a)][a.cell],
             updates=device_update_factors(sched, costs["update_cells"], co_run["update_cells"]))
     return simulator.simulate(sched, duration, remat=remat, update_time=update,
-                              processors=processors, co_run_slowdown=slowdown).step_time
+                              replay=shared_processors.replay(processors, slowdown)).step_time
 
 
 def per_device(sched: schedule.Schedule, per_cell: list[float]) -> list[float]:

@@ -195,154 +195,26 @@ class ClosedFormTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "update_time has 3 per-device times"):
             simulator.simulate(sched, duration, update_time=[1.0, 1.0, 1.0])
 
-    def test_devices_sharing_one_processor_by_hand(self):
-        # K=2, T=2, gpipe, forward 1 and backward 2, one processor: two actions running at
-        # once each run at half speed. F00 [0, 1]; F01 and F10 from 1, 1 of work each at 1/2:
-        # [1, 3]; F11 [3, 4]; B11 [4, 6]; B01 and B10 from 6, 2 each at 1/2: [6, 10]; B00
-        # [10, 12]. With updates 1 (device 0) and 3 (device 1): device 1 updates from 10
-        # beside B00, both at 1/2 until B00 ends at 14 (1 of the update left); then both
-        # updates at 1/2 until 16.
-        sched = schedule.make_schedule("gpipe", 2, 2)
-        costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
-        step = simulator.simulate(sched, costs, remat="never", processors=1)
-        expected = {"F(k=0,t=0)": (0, 1), "F(k=0,t=1)": (1, 3), "F(k=1,t=0)": (1, 3),
-                    "F(k=1,t=1)": (3, 4), "B(k=1,t=1)": (4, 6), "B(k=0,t=1)": (6, 10),
-                    "B(k=1,t=0)": (6, 10), "B(k=0,t=0)": (10, 12)}
-        self.assertEqual(expected, {str(a): (step.start[a], step.end[a]) for a in step.start})
-        self.assertAlmostEqual(12.0, step.step_time)
-        with_updates = simulator.simulate(sched, costs, remat="never", processors=1,
-                                          update_time=[1.0, 3.0])
-        self.assertAlmostEqual(16.0, with_updates.step_time)
-        self.assertAlmostEqual(14.0, with_updates.pipeline_time)
-        self.assertAlmostEqual(2.0, with_updates.update_time)
+    def test_zbv_by_hand_crosses_devices_where_its_v_does(self):
+        # ZB-V, 4 cells on 2 devices (device 0: cells 0 and 3, device 1: cells 1 and 2),
+        # T=1, forward 1, B 1, W 1. The chain F0 F1 F2 F3 B3 B2 B1 B0 W0 is 9 long and
+        # crosses devices 4 times (F0->F1, F2->F3, B3->B2, B1->B0), not 6 as under k % 2.
+        sched = schedule.make_schedule("zbv", 4, 1)
+        costs = simulator.PhaseCosts.uniform(4, forward=1.0, backward=2.0)
+        step = simulator.simulate(sched, costs, remat="never")
+        self.assertAlmostEqual(9.0, step.step_time)
+        self.assertAllClose([6 / 9, 6 / 9], step.breakdown().device_busy)
+        with_transfers = simulator.simulate(sched, costs, remat="never", transfer=0.5)
+        self.assertAlmostEqual(9.0 + 4 * 0.5, with_transfers.step_time)
 
-    @parameterized.parameters("gpipe", "1f1b", "zero_bubble")
-    def test_enough_processors_change_nothing(self, name):
-        sched = schedule.make_schedule(name, 4, 8)
-        rng = np.random.default_rng(0)
-        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)),
-                                     transfer=0.1)
-        alone = simulator.simulate(sched, costs, remat="except_last", update_time=[1.0] * 4)
-        for processors in (4, 16):
-            shared = simulator.simulate(sched, costs, remat="except_last",
-                                        update_time=[1.0] * 4, processors=processors)
-            self.assertEqual(alone.start, shared.start)
-            self.assertAlmostEqual(alone.step_time, shared.step_time)
-
-    @parameterized.product(name=["gpipe", "1f1b", "zero_bubble"], processors=[1, 2, 3])
-    def test_shared_processors_keep_order_and_dependencies(self, name, processors):
-        sched = schedule.make_schedule(name, 4, 8)
-        rng = np.random.default_rng(1)
-        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)))
-        alone = simulator.simulate(sched, costs, remat="except_last")
-        step = simulator.simulate(sched, costs, remat="except_last", processors=processors)
-        work = sum(alone.end[a] - alone.start[a] for a in alone.start)
-        # No faster than the work spread over the processors, nor than the devices alone; no
-        # slower than running every action one after the other (without transfers, some action
-        # is always ready, so the processors are never all idle).
-        self.assertGreaterEqual(step.step_time, max(work / processors, alone.step_time) - 1e-9)
-        self.assertLessEqual(step.step_time, work + 1e-9)
-        for order in sched.device_orders():
-            for before, after in zip(order, order[1:]):
-                self.assertLessEqual(step.end[before], step.start[after] + 1e-9)
-        for a in step.start:
-            for d in schedule.dependencies(a, sched.num_cells):
-                self.assertGreaterEqual(step.start[a], step.end[d] - 1e-9)
-            # An action never runs faster than alone.
-            self.assertGreaterEqual(step.end[a] - step.start[a],
-                                    alone.end[a] - alone.start[a] - 1e-9)
-        if processors == 1:
-            self.assertAlmostEqual(step.step_time, work)
-
-    def test_co_run_slowdown_by_hand(self):
-        # K=2, T=2, gpipe, forward 1 and backward 2, two processors, every action 1.5x slower
-        # while the other processor is busy. F00 [0, 1] alone; F01 and F10 side by side, 1 of
-        # work each at 1/1.5: [1, 2.5]; F11 [2.5, 3.5] and B11 [3.5, 5.5] alone; B01 and B10
-        # 2 each at 1/1.5: [5.5, 8.5]; B00 [8.5, 10.5] alone.
-        sched = schedule.make_schedule("gpipe", 2, 2)
-        costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
-        slowdown = simulator.CoRunSlowdown(actions=lambda a: 1.5)
-        step = simulator.simulate(sched, costs, remat="never", processors=2,
-                                  co_run_slowdown=slowdown)
-        expected = {"F(k=0,t=0)": (0, 1), "F(k=0,t=1)": (1, 2.5), "F(k=1,t=0)": (1, 2.5),
-                    "F(k=1,t=1)": (2.5, 3.5), "B(k=1,t=1)": (3.5, 5.5),
-                    "B(k=0,t=1)": (5.5, 8.5), "B(k=1,t=0)": (5.5, 8.5),
-                    "B(k=0,t=0)": (8.5, 10.5)}
-        self.assertEqual(expected.keys(), {str(a) for a in step.start})
-        for a in step.start:
-            self.assertAlmostEqual(expected[str(a)][0], step.start[a])
-            self.assertAlmostEqual(expected[str(a)][1], step.end[a])
-        # Only the forwards slow down (2x): F01 and F10 [1, 3]; the backwards side by side
-        # at full speed: B01 and B10 [6, 8]; step 10.
-        forwards_only = simulator.CoRunSlowdown(
-            actions=lambda a: 2.0 if a.phase is schedule.Phase.FORWARD else 1.0)
-        step = simulator.simulate(sched, costs, remat="never", processors=2,
-                                  co_run_slowdown=forwards_only)
-        self.assertAlmostEqual(10.0, step.step_time)
-        # Updates of 1 each; device 1's 3x slower beside a copy of itself. After B10 ends at
-        # 8.5, device 1 updates beside B00, which slow each other by 1 + sqrt(0.5 x 2) = 2:
-        # the update [8.5, 10.5]; B00 does 1 of its 2 by then, the rest alone until 11.5;
-        # device 0's update (not slowed) then runs alone: [11.5, 12.5].
-        with_updates = simulator.simulate(
-            sched, costs, remat="never", processors=2, update_time=[1.0, 1.0],
-            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(1.0, 3.0)))
-        self.assertAlmostEqual(12.5, with_updates.step_time)
-        self.assertAlmostEqual(11.5, with_updates.pipeline_time)
-        # Beside a job that does not slow down beside its copy (compute-bound), none slows:
-        # B00 [8.5, 10.5] beside device 1's update [8.5, 9.5]; device 0's update [10.5, 11.5].
-        compute_bound_update = simulator.simulate(
-            sched, costs, remat="never", processors=2, update_time=[1.0, 1.0],
-            co_run_slowdown=simulator.CoRunSlowdown(actions=lambda a: 1.5, updates=(1.0, 1.0)))
-        self.assertAlmostEqual(11.5, compute_bound_update.step_time)
-        self.assertAlmostEqual(10.5, compute_bound_update.pipeline_time)
-
-    def test_co_run_factors_of_mixed_and_many_jobs(self):
-        forward = schedule.Action(schedule.Phase.FORWARD, 0, 0)
-        backward = schedule.Action(schedule.Phase.BACKWARD, 1, 0)
-        slowdown = simulator.CoRunSlowdown(
-            actions=lambda a: 2.0 if a.phase is schedule.Phase.FORWARD else 1.5,
-            updates=(1.25, 0.5))
-        # Alone: 1. Beside each other: 1 + sqrt(1 x 0.5) for both.
-        self.assertEqual({0: 1.0}, slowdown.factors({0: forward}, 2))
-        both = slowdown.factors({0: forward, 1: backward}, 2)
-        self.assertAlmostEqual(1 + 0.5 ** 0.5, both[0])
-        self.assertAlmostEqual(1 + 0.5 ** 0.5, both[1])
-        # Four copies of an update of excess 0.25: on 4 processors each meets the 3 others,
-        # 1.75; on 2, one at a time, 1.25. An update of 0.5 (never faster than alone: excess
-        # 0) slows nothing and is not slowed.
-        updates = {d: None for d in range(4)}
-        same = simulator.CoRunSlowdown(actions=lambda a: 1.0, updates=(1.25,) * 4)
-        self.assertEqual({d: 1.75 for d in range(4)}, same.factors(updates, 4))
-        self.assertEqual({d: 1.25 for d in range(4)}, same.factors(updates, 2))
-        self.assertEqual({0: 1.0, 1: 1.0}, slowdown.factors({0: None, 1: None}, 2))
-
-    @parameterized.parameters("gpipe", "1f1b", "zero_bubble")
-    def test_no_co_run_slowdown_changes_nothing(self, name):
-        sched = schedule.make_schedule(name, 4, 8)
-        rng = np.random.default_rng(2)
-        costs = simulator.PhaseCosts(tuple(rng.uniform(1, 2, 4)), tuple(rng.uniform(2, 4, 4)))
-        for processors in (2, 4):
-            plain = simulator.simulate(sched, costs, processors=processors)
-            ones = simulator.simulate(sched, costs, processors=processors,
-                                      co_run_slowdown=simulator.CoRunSlowdown(lambda a: 1.0))
-            self.assertAlmostEqual(plain.step_time, ones.step_time)
-            for a in plain.start:
-                self.assertAlmostEqual(plain.end[a], ones.end[a])
-
-    def test_co_run_slowdown_is_checked(self):
-        sched = schedule.make_schedule("gpipe", 2, 2)
-        costs = simulator.PhaseCosts.uniform(2, 1.0, 2.0)
-        with self.assertRaisesRegex(ValueError, "co_run_slowdown needs processors="):
-            simulator.simulate(sched, costs,
-                               co_run_slowdown=simulator.CoRunSlowdown(lambda a: 1.5))
-        with self.assertRaisesRegex(ValueError, "co_run_slowdown has 3 update factors"):
-            simulator.simulate(sched, costs, processors=2, co_run_slowdown=simulator.CoRunSlowdown(
-                lambda a: 1.5, updates=(1.0, 1.0, 1.0)))
-
-    def test_zero_processors_are_refused(self):
-        sched = schedule.make_schedule("gpipe", 2, 2)
-        with self.assertRaisesRegex(ValueError, "processors=0"):
-            simulator.simulate(sched, simulator.PhaseCosts.uniform(2, 1.0, 2.0), processors=0)
+    def test_predict_takes_a_schedule_object(self):
+        part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 4)
+        by_name = simulator.predict(part, [4.0] * 4, 4, "zbv", remat="never")
+        by_object = simulator.predict(part, [4.0] * 4, 4, schedule.make_schedule("zbv", 4, 4),
+                                      remat="never")
+        self.assertEqual(2, by_name.step.num_devices)
+        self.assertAlmostEqual(by_name.step.step_time, by_object.step.step_time)
+        self.assertIn("K=4 on 2 devices, T=4, zbv", by_name.summary())
 
     def test_docstring_example(self):
         self.assertEqual(0, doctest.testmod(simulator).failed)

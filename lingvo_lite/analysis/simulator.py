@@ -11,12 +11,10 @@ load imbalance, bubble) as `trace_analysis.Breakdown` defines it for measured st
 and measurement read the same way.
 
 It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
-micro-batches take seconds. Devices that time-share fewer processors than there are devices
-(K logical CPU devices on a host's cores) are replayed event by event with `processors=`:
-n > processors running actions each progress at processors / n of their speed. Processors that
-share one memory system slow each other down; `CoRunSlowdown` says by how much each action
-runs slower while another processor is busy (measured, e.g., by timing a call beside a copy of
-itself).
+micro-batches take seconds. Each device is assumed to run on hardware of its own; a different
+model of how devices share hardware replaces the replay (`simulate(..., replay=...)`; the
+benchmarks' `bench/shared_processors.py` replays logical CPU devices time-sharing a host's
+cores).
 
 >>> from lingvo_lite.analysis import simulator
 >>> from lingvo_lite.pipeline import schedule
@@ -39,6 +37,11 @@ from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.pipeline.schedule import Action, Phase
+
+# Backward time / forward time when nothing better is known: a matmul's input gradient and
+# weight gradient each cost about one forward. The one definition the planner, the
+# predictions of `predict` and the benchmarks' time model use.
+BACKWARD_RATIO = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,53 +95,13 @@ class PhaseCosts:
                    None if weight is None else (weight,) * num_cells)
 
     @classmethod
-    def from_cell_costs(cls, cell_forward: Sequence[float], backward_ratio: float = 2.0,
+    def from_cell_costs(cls, cell_forward: Sequence[float],
+                        backward_ratio: float = BACKWARD_RATIO,
                         transfer: float = 0.0) -> PhaseCosts:
-        """From each cell's forward time; backward = `backward_ratio` x forward.
-
-        2.0 is the usual ratio for matmul-dominated layers (the input and the weight
-        gradient each cost about one forward).
-        """
+        """From each cell's forward time; backward = `backward_ratio` x forward
+        (`BACKWARD_RATIO` by default)."""
         forward = tuple(float(c) for c in cell_forward)
         return cls(forward, tuple(backward_ratio * c for c in forward), transfer)
-
-
-@dataclasses.dataclass(frozen=True)
-class CoRunSlowdown:
-    """How much longer each job takes while it shares the host with others.
-
-    Processors on one host share its memory bandwidth and caches: a memory-bound job (a
-    weight-sized gradient written for a few rows) can take 1.4x its time alone while the
-    other core runs one like it, where a compute-bound one takes 1.0x (BENCHMARKS.md 12c).
-    `actions(a)` is action a's factor beside a copy of itself (its duration run so, over its
-    duration alone), `updates[d]` that of device d's update. Two different jobs a and b slow
-    each other by the geometric mean of their excesses, 1 + sqrt((s_a - 1)(s_b - 1)): a job
-    beside a copy of itself takes its own factor, beside a compute-bound one (s = 1) its
-    time alone. With b processors busy, a job meets b - 1 of the others running at a time
-    (time-shared equally when more run than there are processors), each adding its share.
-    Accelerators with memory of their own have none: leave it out.
-    """
-
-    actions: Callable[[Action], float]
-    updates: Sequence[float] = ()
-
-    def excess(self, job: Action | None, device: int) -> float:
-        """`job`'s factor beside a copy of itself, less 1 (None: `device`'s update)."""
-        if job is None:
-            return max(0.0, (self.updates[device] if self.updates else 1.0) - 1.0)
-        return max(0.0, self.actions(job) - 1.0)
-
-    def factors(self, running: dict[int, Action | None], processors: int) -> dict[int, float]:
-        """The slowdown of each running job (`running`: device -> its action, None for its
-        update)."""
-        if len(running) < 2:
-            return {dev: 1.0 for dev in running}
-        roots = {dev: self.excess(job, dev) ** 0.5 for dev, job in running.items()}
-        total = sum(roots.values())
-        # Each meets `partners` of the others at a time: their mean sqrt(excess x excess).
-        partners = min(len(running), processors) - 1
-        return {dev: 1.0 + partners * root * (total - root) / (len(running) - 1)
-                for dev, root in roots.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +172,18 @@ class SimulatedStep:
         )
 
 
+# How a replay runs a schedule: (schedule, duration of each action, transfer time, setup time,
+# each device's update time) -> (start and end of each action, when each device finished its
+# update). `replay_devices_alone` is the default.
+Replay = Callable[[schedule_lib.Schedule, Callable[[Action], float], float, float,
+                   Sequence[float]], tuple[dict[Action, float], dict[Action, float], list[float]]]
+
+
 def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action], float],
              remat: str = "except_last", transfer: float | None = None,
              setup_time: float = 0.0,
              update_time: float | Sequence[float] = 0.0,
-             processors: int | None = None,
-             co_run_slowdown: CoRunSlowdown | None = None) -> SimulatedStep:
+             replay: Replay | None = None) -> SimulatedStep:
     """Replays `sched` with the given durations.
 
     Args:
@@ -229,14 +198,9 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         device, each starting when that device's last action ends (a device updates its
         own weights while others still run); the step ends with the last update. The
         step's `update_time` is what the updates add after the last action.
-      processors: how many actions can run at full speed at once, when the devices share
-        fewer processors than there are devices (logical CPU devices on a host's cores: each
-        serial device is one thread). None: every device runs on its own. With n > processors
-        actions running, each runs at processors / n of its speed (the cores are time-shared
-        equally); durations are each action's time running alone. The per-device updates share
-        the processors too.
-      co_run_slowdown: how much slower jobs run while other processors are busy (processors
-        sharing a memory system); needs `processors`.
+      replay: how the devices run the schedule (see `Replay`); default
+        `replay_devices_alone`: each device on hardware of its own, every action taking its
+        duration.
     """
     recomputed = remat_lib.recomputed_actions(sched, remat)
     if isinstance(costs, PhaseCosts):
@@ -265,37 +229,13 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
         def recompute_of(a: Action) -> float:
             return 0.0
 
-    if processors is not None and processors < 1:
-        raise ValueError(f"processors={processors}: it must be >= 1 (or None: one per device).")
     per_device_update = (None if isinstance(update_time, (int, float))
                          else list(update_time))
     if per_device_update is not None and len(per_device_update) != sched.num_devices:
         raise ValueError(f"update_time has {len(per_device_update)} per-device times, the "
                          f"schedule {sched.num_devices} devices.")
-    if co_run_slowdown is not None:
-        if processors is None:
-            raise ValueError("co_run_slowdown needs processors= (how many jobs share the host "
-                             "at full speed).")
-        if co_run_slowdown.updates and len(co_run_slowdown.updates) != sched.num_devices:
-            raise ValueError(f"co_run_slowdown has {len(co_run_slowdown.updates)} update "
-                             f"factors, the schedule {sched.num_devices} devices.")
-    if processors is not None and (processors < sched.num_devices
-                                   or co_run_slowdown is not None):
-        start, end, device_free = _replay_on_shared_processors(
-            sched, duration, transfer, setup_time,
-            per_device_update or [0.0] * sched.num_devices, processors, co_run_slowdown)
-    else:
-        start, end, device_free = {}, {}, [setup_time] * sched.num_devices
-        device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
-        # The unit-time order respects every dependency and each device's order, so each
-        # action's predecessors are final when it is reached.
-        for a in sched.actions():
-            dev = device[a.cell]
-            start[a] = max(device_free[dev], _inputs_ready(a, end, transfer, device))
-            end[a] = start[a] + duration(a)
-            device_free[dev] = end[a]
-        if per_device_update is not None:
-            device_free = [f + u for f, u in zip(device_free, per_device_update)]
+    start, end, device_free = (replay or replay_devices_alone)(
+        sched, duration, transfer, setup_time, per_device_update or [0.0] * sched.num_devices)
     recompute_time = [0.0] * sched.num_devices
     for a in start:
         recompute_time[sched.device_of_cell(a.cell)] += recompute_of(a)
@@ -306,8 +246,28 @@ def simulate(sched: schedule_lib.Schedule, costs: PhaseCosts | Callable[[Action]
                          setup_time=setup_time, update_time=update_time)
 
 
-def _inputs_ready(action: Action, end: dict[Action, float], transfer: float,
-                  device: Sequence[int]) -> float | None:
+def replay_devices_alone(sched: schedule_lib.Schedule, duration: Callable[[Action], float],
+                         transfer: float, setup_time: float, update: Sequence[float]
+                         ) -> tuple[dict[Action, float], dict[Action, float], list[float]]:
+    """The default `Replay`: each device runs its order one action after the other, an action
+    starting once its device is free and its inputs are ready; a device runs its update
+    (`update[device]`) after its last action."""
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    device_free = [setup_time] * sched.num_devices
+    device = sched.cell_devices
+    # The unit-time order respects every dependency and each device's order, so each
+    # action's predecessors are final when it is reached.
+    for a in sched.actions():
+        dev = device[a.cell]
+        start[a] = max(device_free[dev], inputs_ready(a, end, transfer, device))
+        end[a] = start[a] + duration(a)
+        device_free[dev] = end[a]
+    return start, end, [f + u for f, u in zip(device_free, update)]
+
+
+def inputs_ready(action: Action, end: dict[Action, float], transfer: float,
+                 device: Sequence[int]) -> float | None:
     """When all of `action`'s dependencies have ended (plus `transfer` from another device;
     `device[k]` runs cell k); None while one has not."""
     dev = device[action.cell]
@@ -317,79 +277,6 @@ def _inputs_ready(action: Action, end: dict[Action, float], transfer: float,
             return None
         ready = max(ready, end[d] + (transfer if device[d.cell] != dev else 0.0))
     return ready
-
-
-def _replay_on_shared_processors(sched: schedule_lib.Schedule,
-                                 duration: Callable[[Action], float], transfer: float,
-                                 setup_time: float, update: Sequence[float], processors: int,
-                                 slowdown: CoRunSlowdown | None = None
-                                 ) -> tuple[dict[Action, float], dict[Action, float], list[float]]:
-    """`simulate`'s replay when devices time-share `processors` cores (processor sharing).
-
-    Event by event: at each instant, the running actions (at most one per device) each
-    progress at min(1, processors / running) of their speed, divided by their `slowdown`
-    factor for the processors busy; the next event is the first completion or the first
-    moment a waiting action's inputs are ready. After its last action, a device runs its
-    update (`update[device]`), which also takes its share. Returns each action's start and
-    end, and when each device finished its update.
-    """
-    num_devices = sched.num_devices
-    orders = sched.device_orders()
-    device = [sched.device_of_cell(k) for k in range(sched.num_cells)]
-    position = [0] * num_devices
-    running: dict[int, list] = {}  # device -> [action or None (its update), remaining work]
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    finished = [setup_time] * num_devices
-    done = [False] * num_devices
-    now = setup_time
-
-    def ready_time(dev: int) -> float | None:
-        """When `dev`'s next job can start (None: it waits on an action not finished)."""
-        if position[dev] == len(orders[dev]):
-            return finished[dev]  # Its update, right after its last action.
-        inputs = _inputs_ready(orders[dev][position[dev]], end, transfer, device)
-        return None if inputs is None else max(finished[dev], inputs)
-
-    while not all(done):
-        waiting = {}
-        for dev in range(num_devices):
-            if dev in running or done[dev]:
-                continue
-            ready = ready_time(dev)
-            if ready is None:
-                continue
-            if ready <= now:
-                if position[dev] < len(orders[dev]):
-                    a = orders[dev][position[dev]]
-                    start[a] = now
-                    running[dev] = [a, duration(a)]
-                else:
-                    running[dev] = [None, update[dev]]
-            else:
-                waiting[dev] = ready
-        share = min(1.0, processors / len(running)) if running else 1.0
-        factor = (slowdown.factors({dev: job[0] for dev, job in running.items()}, processors)
-                  if slowdown else {})
-        rate = {dev: share / factor.get(dev, 1.0) for dev in running}
-        next_event = min(list(waiting.values())
-                         + [now + job[1] / rate[dev] for dev, job in running.items()],
-                         default=None)
-        if next_event is None:
-            raise RuntimeError(f"{sched!r}: the replay found no action that can run.")
-        for dev in list(running):
-            job = running[dev]
-            job[1] -= (next_event - now) * rate[dev]
-            if job[1] <= 1e-12 * max(1.0, next_event):
-                del running[dev]
-                finished[dev] = next_event
-                if job[0] is None:
-                    done[dev] = True
-                else:
-                    end[job[0]] = next_event
-                    position[dev] += 1
-        now = next_event
-    return start, end, finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,9 +302,9 @@ class Prediction:
 
 
 def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
-            num_micro_batches: int, schedule_name: str = "gpipe", remat: str = "except_last",
-            backward_ratio: float = 2.0, transfer: float = 0.0,
-            virtual_stages: int = 1) -> Prediction:
+            num_micro_batches: int, schedule: str | schedule_lib.Schedule = "gpipe",
+            remat: str = "except_last", backward_ratio: float = BACKWARD_RATIO,
+            transfer: float = 0.0, virtual_stages: int = 1) -> Prediction:
     """The simulated step of `partition` with T micro-batches.
 
     Args:
@@ -425,10 +312,12 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
       layer_costs: each layer's forward time on the whole mini-batch (any unit, e.g. FLOPs
         over a device's FLOP/s); a micro-batch costs 1/T of it.
       num_micro_batches: T.
-      schedule_name, remat: as in PipeliningLayer.
-      backward_ratio: backward time / forward time (2 for matmul-dominated layers).
+      schedule, remat: as in PipeliningLayer: a schedule's name or a Schedule object (built
+        for the partition's cells and T; it places the cells on its devices).
+      backward_ratio: backward time / forward time (`BACKWARD_RATIO`).
       transfer: time per boundary crossing, in the unit of `layer_costs`.
-      virtual_stages: cells per device of the interleaved schedule (`make_schedule`).
+      virtual_stages: for a name: cells per device of the interleaved schedule
+        (`schedule_for`).
     """
     if len(layer_costs) != partition.num_layers:
         raise ValueError(f"predict got {len(layer_costs)} layer costs for a partition of "
@@ -436,10 +325,11 @@ def predict(partition: partition_lib.Partition, layer_costs: Sequence[float],
     cell_forward = [sum(layer_costs[a:b]) / num_micro_batches
                     for a, b in partition.cell_layer_ranges]
     costs = PhaseCosts.from_cell_costs(cell_forward, backward_ratio, transfer)
-    sched = schedule_lib.make_schedule(schedule_name, partition.num_cells, num_micro_batches,
-                                       virtual_stages)
+    sched = schedule_lib.schedule_for(schedule, partition.num_cells, num_micro_batches,
+                                      virtual_stages)
     step = simulate(sched, costs, remat=remat)
     return Prediction(step=step, one_device_time=(1.0 + backward_ratio) * sum(layer_costs))
 
 
-__all__ = ["PhaseCosts", "CoRunSlowdown", "SimulatedStep", "simulate", "Prediction", "predict"]
+__all__ = ["BACKWARD_RATIO", "inputs_ready", "PhaseCosts", "Prediction", "predict", "Replay",
+           "replay_devices_alone", "SimulatedStep", "simulate"]
