@@ -6,9 +6,14 @@ file translates line i of the other) for the splits train, dev and test. With
 time; with `generate=''` the files are the user's own. The joint sentencepiece model
 `<data_dir>/spm_<vocab_size>.model` is trained on train.src + train.tgt on first use.
 
-Every example is padded to `max_source_length` / `max_target_length` pieces: the pipeline needs
-static shapes, and one fixed length per task is the simplest way to get them (sentences longer
-than that are dropped from training batches; decoding truncates them instead). Batch fields:
+Every example is padded to `max_source_length` / `max_target_length` pieces (sentences longer
+than that are dropped from training batches; decoding truncates them instead), unless
+`bucket_lengths` is set: then each pair goes to the first bucket whose length holds both its
+source and its target, is padded to that length, and is batched with pairs of its bucket, in
+batches of that bucket's `bucket_batch_sizes` (fewer, longer sentences per batch keep the
+tokens per batch about constant). Batches keep the stream's order within each bucket, so they
+are deterministic and an iterator restored from a checkpoint continues exactly; the pipeline
+declares the same shapes as its `input_buckets` (`bucket_shapes`). Batch fields:
 
   src_ids [B, S] int32       source pieces + EOS, then PAD
   src_paddings [B, S] f32    1.0 at padded positions
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -29,10 +36,11 @@ from absl import logging
 
 from lingvo_lite import base_input_generator, hyperparams
 from lingvo_lite.nested_map import NestedMap
-from tasks.mt import corpus, vocab
+from tasks.mt import corpus, layers, vocab
 
 __all__ = [
     "batch_for_decoding",
+    "bucket_shapes",
     "DEFAULT_DATA_DIR",
     "encode_split",
     "ParallelTextInput",
@@ -141,6 +149,14 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
         p.Define("vocab_size", 512, "Sentencepiece vocabulary size (a soft upper bound).")
         p.Define("max_source_length", 24, "Source pieces per example, EOS included.")
         p.Define("max_target_length", 24, "Target pieces per example, BOS/EOS included.")
+        p.Define("bucket_lengths", None,
+                 "Length buckets, ascending (e.g. [8, 16, 24]): a pair goes to the first bucket "
+                 "holding its source and its target (EOS/BOS included) and is padded to that "
+                 "length; the last must hold max_source_length and max_target_length. None: "
+                 "every batch padded to max_source_length / max_target_length.")
+        p.Define("bucket_batch_sizes", None,
+                 "With bucket_lengths: the batch size of each bucket (e.g. [96, 48, 32] for "
+                 "about 768 source tokens per batch); batch_size is then unused.")
         p.batch_size = 64
         return p
 
@@ -156,6 +172,9 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
         if p.generate not in GENERATORS:
             raise ValueError(f"ParallelTextInput: generate={p.generate!r}; use 'en_de_numbers' "
                              "or '' (your own files).")
+        if p.bucket_lengths is not None or p.bucket_batch_sizes is not None:
+            _check_buckets(p.bucket_lengths, p.bucket_batch_sizes,
+                           max(p.max_source_length, p.max_target_length))
 
     def vocabulary(self) -> vocab.Vocabulary:
         """The joint vocabulary (generating the corpus and training it on first use)."""
@@ -182,10 +201,71 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
                              f"max_source_length={p.max_source_length} and max_target_length="
                              f"{p.max_target_length}; raise them.")
         self._num_examples = len(arrays["src_ids"])
+        if p.bucket_lengths:
+            arrays = _bucketed(arrays, p.bucket_lengths)
         return tf.data.Dataset.from_tensor_slices(arrays)
+
+    def _batch(self, ds: tf.data.Dataset) -> tf.data.Dataset:
+        p = self.params
+        if not p.bucket_lengths:
+            return super()._batch(ds)
+        lengths = tf.constant(p.bucket_lengths, tf.int64)
+        sizes = tf.constant(p.bucket_batch_sizes, tf.int64)
+
+        def batches_of_bucket(bucket: tf.Tensor, window: tf.data.Dataset) -> tf.data.Dataset:
+            length = tf.gather(lengths, bucket)
+
+            def trim(batch: dict) -> NestedMap:
+                return NestedMap({k: v[:, :length] for k, v in batch.items() if k != "bucket"})
+
+            return window.batch(tf.gather(sizes, bucket), drop_remainder=True).map(trim)
+
+        return ds.group_by_window(key_func=lambda example: example["bucket"],
+                                  reduce_func=batches_of_bucket,
+                                  window_size_func=lambda bucket: tf.gather(sizes, bucket))
 
     def num_examples(self) -> int | None:
         return getattr(self, "_num_examples", None)
+
+
+def _check_buckets(lengths: Any, batch_sizes: Any, longest: int) -> None:
+    def ints(values: Any) -> bool:
+        return (isinstance(values, (list, tuple)) and bool(values)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                        for v in values))
+
+    if not ints(lengths) or list(lengths) != sorted(set(lengths)):
+        raise ValueError(f"ParallelTextInput: bucket_lengths={lengths!r} must be ascending ints "
+                         ">= 1, e.g. [8, 16, 24].")
+    if not ints(batch_sizes) or len(batch_sizes) != len(lengths):
+        raise ValueError(f"ParallelTextInput: bucket_batch_sizes={batch_sizes!r} must give one "
+                         f"batch size >= 1 for each of the {len(lengths)} bucket_lengths.")
+    if lengths[-1] < longest:
+        raise ValueError(f"ParallelTextInput: the last of bucket_lengths={list(lengths)} must "
+                         f"hold max_source_length and max_target_length ({longest}); add a "
+                         f"bucket of {longest}.")
+
+
+def _bucketed(arrays: dict[str, np.ndarray], lengths: Sequence[int]) -> dict[str, np.ndarray]:
+    """`arrays` padded to the longest bucket, with each pair's bucket index."""
+    longest = lengths[-1]
+    out = {}
+    for name, values in arrays.items():
+        pad = longest - values.shape[1]
+        fill = 1.0 if name.endswith("paddings") else 0
+        out[name] = np.pad(values, [(0, 0), (0, pad)], constant_values=fill)
+    used = np.maximum((1.0 - out["src_paddings"]).sum(1), (1.0 - out["tgt_paddings"]).sum(1))
+    out["bucket"] = np.searchsorted(np.asarray(lengths), used, side="left").astype(np.int64)
+    return out
+
+
+def bucket_shapes(lengths: Sequence[int], batch_sizes: Sequence[int]) -> list[NestedMap]:
+    """The mini-batch shapes of bucketed batches: a pipeline's `input_buckets`.
+
+    >>> [s.src_ids for s in bucket_shapes([8, 16], [32, 16])]
+    [TensorShape([32, 8]), TensorShape([16, 16])]
+    """
+    return [layers.input_shapes(b, n, n) for n, b in zip(lengths, batch_sizes)]
 
 
 def batch_for_decoding(arrays: dict[str, np.ndarray], start: int, batch_size: int
