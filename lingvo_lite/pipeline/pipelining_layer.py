@@ -34,6 +34,7 @@ from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
+    buckets,
     collectives,
     executor,
     loop_executor,
@@ -42,11 +43,12 @@ from lingvo_lite.pipeline import (
     placement,
     remat,
     schedule,
+    step_layout,
     tpu,
 )
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
-__all__ = ["PARTITION_COSTS", "PipeliningLayer"]
+__all__ = ["PARTITION_COSTS", "PipeliningLayer", "planning_shapes"]
 
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
@@ -165,6 +167,12 @@ class PipeliningLayer(base_layer.BaseLayer):
             "used by FPropMeta to estimate layer costs. Required unless partitioning "
             "is 'uniform' or 'explicit'.",
         )
+        p.Define("input_buckets", None,
+                 "Training batches of varying shape (e.g. sequence-length buckets): a list of "
+                 "mini-batch shapes, each like input_shapes. A training step's batch must have "
+                 "one of them (refused otherwise, naming them); each cell's functions are "
+                 "traced once per bucket. The partition is chosen for input_shapes, or the "
+                 "largest bucket when input_shapes is None. None: one shape per run.")
         p.Define(
             "num_replicas", 1,
             "R: data-parallel replicas of the whole pipeline (R x K devices). The mini-batch "
@@ -264,12 +272,15 @@ class PipeliningLayer(base_layer.BaseLayer):
                 loop_executor.check_loop_supported(p.schedule, p.remat, p.weight_gradients)
             except ValueError as e:
                 raise ValueError(f"{self.path}: {e}") from None
+        try:
+            self._buckets = (None if p.input_buckets is None
+                             else buckets.normalize(p.input_buckets))
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
         self._partition = self.ComputePartition(p)
         num_cells = self._partition.num_cells
         try:  # The schedule, checked before any device is chosen: it places the cells.
-            probe = schedule.schedule_for(
-                p.schedule, num_cells,
-                getattr(p.schedule, "num_micro_batches", num_cells), p.virtual_stages)
+            probe = step_layout.placement_schedule(p, num_cells)
         except ValueError as e:
             raise ValueError(f"{self.path}: {e}") from None
         self._num_devices = probe.num_devices
@@ -314,12 +325,13 @@ class PipeliningLayer(base_layer.BaseLayer):
         Raises a ValueError naming the layer (and its cell boundary) whose input
         does not fit the previous layer's output.
         """
-        if p.input_shapes is None:
+        shapes = planning_shapes(p)
+        if shapes is None:
             raise ValueError(
                 "PipeliningLayer needs p.input_shapes (the shape of one mini-batch) to "
                 "estimate layer costs; set it, or use partition_method='uniform'/'explicit'."
             )
-        return composite.chain_meta(p.layers, base_layer.to_shape(p.input_shapes),
+        return composite.chain_meta(p.layers, base_layer.to_shape(shapes),
                                     input_name="p.input_shapes")
 
     @classmethod
@@ -331,7 +343,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         same layers into many cell counts).
         """
         names = [lp.name or f"{lp.cls.__name__}_{i}" for i, lp in enumerate(p.layers)]
-        if p.partition_method in ("uniform", "explicit") and p.input_shapes is None:
+        if p.partition_method in ("uniform", "explicit") and planning_shapes(p) is None:
             costs = [1.0] * len(p.layers)
             cost_name = "layers"
         else:
@@ -459,10 +471,24 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "every T.")
         return sched
 
+    def _check_bucket(self, inputs: Any) -> None:
+        """A training batch must have one of the declared input_buckets' shapes."""
+        if self._buckets is None or buckets.matching(self._buckets, inputs) is not None:
+            return
+        declared = ", ".join(buckets.describe(b) for b in self._buckets)
+        raise ValueError(
+            f"{self.path}: a training batch of shape {buckets.describe(buckets.shapes_of(inputs))}"
+            f" is not one of the declared input_buckets ({declared}); batch the input into "
+            "these shapes (e.g. ParallelTextInput's bucket_lengths) or declare the shape.")
+
+    @property
+    def input_buckets(self) -> list[Any] | None:
+        """The declared training batch shapes (TensorShapes or NestedMaps of them), or None."""
+        return self._buckets
+
     def num_micro_batches_for(self, batch_size: int) -> int:
-        p = self.params
-        return micro_batch.resolve_num_micro_batches(
-            batch_size, p.num_micro_batches, p.micro_batch_size)
+        """T for one replica's shard of `batch_size` examples (`step_layout`)."""
+        return step_layout.num_micro_batches(self.params, batch_size)
 
     # -- execution -----------------------------------------------------------
 
@@ -528,7 +554,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         return [w / total for w in weights]
 
     def FPropAndGrads(
-        self, theta: NestedMap, inputs: Any, return_input_grads: bool = False
+        self, theta: NestedMap, inputs: Any, *, return_input_grads: bool = False
     ) -> tuple[Any, NestedMap] | tuple[Any, NestedMap, Any]:
         """Pipelined forward and backward of one mini-batch (training only).
 
@@ -550,8 +576,9 @@ class PipeliningLayer(base_layer.BaseLayer):
         Args:
           theta: the pipeline's theta (e.g. `self.theta`).
           inputs: the mini-batch (a tensor or a NestedMap of tensors).
-          return_input_grads: also return d(loss)/d(inputs), computed by the
-            pipeline's own schedule (cell 0's backward, with its recomputation).
+          return_input_grads: (keyword only, a bool) also return d(loss)/d(inputs),
+            computed by the pipeline's own schedule (cell 0's backward, with its
+            recomputation).
 
         Returns:
           (outputs, grads), or (outputs, grads, input_grads) with
@@ -561,6 +588,14 @@ class PipeliningLayer(base_layer.BaseLayer):
           each cell's device; and a structure like `inputs` with the gradient for
           every float leaf (None for the others).
         """
+        if not isinstance(return_input_grads, bool):
+            raise TypeError(
+                f"{self.path}.FPropAndGrads(theta, inputs, return_input_grads=...): "
+                f"return_input_grads must be True or False, got "
+                f"{type(return_input_grads).__name__}; pass the whole mini-batch as one "
+                "`inputs` (a tensor or a NestedMap).")
+        if self._active_replica is None:
+            self._check_bucket(inputs)
         if self.num_replicas > 1 and self._active_replica is None:
             raise ValueError(
                 f"{self.path} has num_replicas={self.num_replicas}: train it with "
@@ -661,6 +696,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         if len(thetas) != self.num_replicas:
             raise ValueError(f"{self.path}: FPropAndReplicaGrads got {len(thetas)} thetas for "
                              f"num_replicas={self.num_replicas}; pass replica_thetas(theta).")
+        self._check_bucket(inputs)
         batch_size = micro_batch.batch_size_of(inputs, p.batch_dim)
         if batch_size % self.num_replicas:
             raise ValueError(
@@ -837,3 +873,11 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "FPropAndGrads needs the last layer to return a NestedMap with a scalar 'loss' "
                 "(the mean loss of its micro-batch); end p.layers with a loss layer."
             )
+
+
+def planning_shapes(p: hyperparams.Params) -> Any:
+    """The mini-batch shape costs and memory are planned for: `p.input_shapes`, else the
+    largest of `p.input_buckets`, else None."""
+    if p.input_shapes is not None or not p.input_buckets:
+        return p.input_shapes
+    return buckets.largest(buckets.normalize(p.input_buckets))
