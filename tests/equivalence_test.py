@@ -1,5 +1,10 @@
 """check_equivalence: verdicts, the useful failure message, and the numbers it reports.
 
+Keras pipelines (KerasTask): only a layer holding BatchNormalization is batch-statistical (a
+Dense/Dropout pipeline is compared on the whole batch), and a Keras layer that centres its input
+over the batch (a batch-coupling bug) fails the check with the verdict naming that layer, not
+one of the layers before it, whose gradients differ too.
+
 The broken model is testdata_models.TinyMlpBrokenDropout, whose dropout ignores the example's
 offset (each micro-batch reuses the first micro-batch's mask). Its reported differences are
 checked against an independent computation: the pipeline's own FPropAndGrads and a plain tape
@@ -11,12 +16,14 @@ from __future__ import annotations
 
 import subprocess
 
+import keras
 import numpy as np
 import tensorflow as tf
 import testdata_models
 from conftest import launch_trainer
 
 from lingvo_lite import fprop_context
+from lingvo_lite.keras import KerasTask, pipeline_params
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import equivalence, model_config
@@ -32,6 +39,71 @@ def _task_and_batch(model, num_cells: int, num_micro_batches: int):
                                      num_micro_batches=num_micro_batches)
     batch = NestedMap(next(iter(task_p.input.Instantiate().dataset())))
     return task_p.Instantiate(), batch
+
+
+@keras.saving.register_keras_serializable(package="equivalence_test")
+class BatchCentering(keras.layers.Layer):
+    """Subtracts the batch mean: every example's output depends on the whole batch."""
+
+    def call(self, x):
+        return x - tf.reduce_mean(x, axis=0, keepdims=True)
+
+
+def _keras_task(layers, num_micro_batches: int = 4):
+    p = KerasTask.Params().Set(name="keras_mlp", input_field="x", label_field="labels")
+    p.network = pipeline_params(
+        layers, (testdata_models.INPUT_DIM,), num_cells=2, num_micro_batches=num_micro_batches,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), name="network")
+    p.random_seed = 3
+    batch = NestedMap(next(iter(testdata_models.SyntheticInput.Params().Set(
+        name="train").Instantiate().dataset())))
+    return p.Instantiate(), batch
+
+
+class KerasEquivalenceTest(tf.test.TestCase):
+
+    def test_batch_statistics_only_for_batch_norm(self) -> None:
+        def dense_dropout():
+            return [keras.layers.Dense(8, activation="relu", name="d0"),
+                    keras.layers.Dropout(0.3, name="drop"), keras.layers.Dense(4, name="d1")]
+
+        task, batch = _keras_task(dense_dropout)
+        report = equivalence.check_equivalence(task, batch, use_tf_function=False)
+        self.assertTrue(report.passed, report.format())
+        self.assertIn("on the whole batch at once", report.format())
+
+        def with_batch_norm():
+            return [keras.layers.Dense(8, activation="relu", name="d0"),
+                    keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(4, name="d1")]
+
+        task, batch = _keras_task(with_batch_norm)
+        report = equivalence.check_equivalence(task, batch, use_tf_function=False)
+        self.assertTrue(report.passed, report.format())
+        self.assertIn("its layers use batch statistics", report.format())
+
+    def test_batch_coupling_is_caught_and_located(self) -> None:
+        def coupled():
+            return [keras.layers.Dense(8, activation="tanh", name="d0"),
+                    keras.layers.Dense(8, activation="tanh", name="d1"),
+                    BatchCentering(name="centering"),
+                    keras.layers.Dense(8, activation="tanh", name="d2"),
+                    keras.layers.Dense(4, name="d3")]
+
+        task, batch = _keras_task(coupled)
+        report = equivalence.check_equivalence(task, batch, use_tf_function=False)
+        self.assertFalse(report.passed)
+        self.assertIn("on the whole batch at once", report.format())
+        # The independent check: every layer's gradient differs, the ones before the
+        # centering layer included, so the worst gradient does not locate the bug ...
+        failing = {v.where for v in report.variables if v.max_rel_diff > report.tolerance}
+        self.assertTrue(any("layer 0 " in w or "layer 1 " in w for w in failing), failing)
+        # ... the verdict names the centering layer itself.
+        self.assertIn("layer 2 (keras_2_centering)", report.suspect)
+        self.assertIn("layer 2 (keras_2_centering)", report.verdict())
+        self.assertGreater(report.suspect_rel_diff, 1e-2)
+        # With one micro-batch the layer sees the whole batch: nothing to find.
+        task, batch = _keras_task(coupled, num_micro_batches=1)
+        self.assertTrue(equivalence.check_equivalence(task, batch, use_tf_function=False).passed)
 
 
 class EquivalenceTest(tf.test.TestCase):

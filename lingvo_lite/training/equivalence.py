@@ -17,6 +17,15 @@ It reports, per trainable variable, `max|g_pipe - g_ref| / max(max|g_ref|, tiny)
 loss difference, worst first, with a verdict against a tolerance. Neither side applies gradients
 or batch-norm updates: nothing is written.
 
+A layer is batch-statistical if it says so (`uses_batch_statistics`, as `KerasLayer` does for a
+Keras layer holding a trained BatchNormalization), else if it reports side updates
+(`ApplyUpdates`). On a failure the check locates the layer: once a layer's output differs, the
+gradients of every layer before it (through the backward) and after it (through their inputs)
+differ too, so the worst gradient may belong to any of them. Instead each layer of the pipeline
+is run on the activations the pipeline's micro-batches give it, once per micro-batch and once
+on their concatenation; the first layer (not batch-statistical) whose two outputs differ by more
+than the tolerance is the one the verdict names.
+
 Example (from the repository root):
 
     from lingvo_lite.nested_map import NestedMap
@@ -117,6 +126,10 @@ class EquivalenceReport:
     tolerance: float
     batch_size: int
     gradient_floor: float = 0.0  # SCALE_FLOOR x the largest reference gradient element.
+    # The first layer whose output on the micro-batches differs from its output on their
+    # concatenation ('pipeline <path>, cell k, layer i (name)'), and by how much; set on a failure.
+    suspect: str = ""
+    suspect_rel_diff: float = 0.0
 
     @property
     def loss_rel_diff(self) -> float:
@@ -146,6 +159,12 @@ class EquivalenceReport:
                     + f" differs by {worst.max_rel_diff:.2e} relative")
         else:
             what = f"loss differs by {self.loss_rel_diff:.2e} relative"
+        if self.suspect:
+            return (f"FAIL: the pipelined model is not equivalent to the unpipelined one: {what} "
+                    f"(tolerance {self.tolerance:.0e}). The first layer whose output on the "
+                    "micro-batches differs from its output on the whole batch is "
+                    f"{self.suspect} (relative difference {self.suspect_rel_diff:.2e}); likely "
+                    f"causes in it: {LIKELY_CAUSES}.")
         return (f"FAIL: the pipelined model is not equivalent to the unpipelined one: {what} "
                 f"(tolerance {self.tolerance:.0e}). Likely causes in that layer or the ones "
                 f"before it: {LIKELY_CAUSES}.")
@@ -190,7 +209,11 @@ def find_pipelines(layer: base_layer.BaseLayer) -> list[pipelining_layer.Pipelin
 
 
 def _uses_batch_statistics(layer: base_layer.BaseLayer) -> bool:
-    """Whether a layer in the tree reports side updates (batch norm's statistics)."""
+    """Whether a layer in the tree normalises with batch statistics: its own
+    `uses_batch_statistics` answer when it has one, else whether it reports side updates."""
+    declared = getattr(layer, "uses_batch_statistics", None)
+    if isinstance(declared, bool):
+        return declared
     if type(layer).ApplyUpdates is not base_layer.BaseLayer.ApplyUpdates:
         return True
     return any(_uses_batch_statistics(c) for child in layer.children.values()
@@ -280,17 +303,105 @@ def _unpipelined(pipes: list[pipelining_layer.PipeliningLayer],
             pipe.__dict__.pop("FProp", None)
 
 
+def _describe_layer(pipe: pipelining_layer.PipeliningLayer, i: int) -> str:
+    return (f"pipeline {pipe.path}, cell {pipe.partition.cell_of_layer(i)}, "
+            f"layer {i} ({pipe.params.layers[i].name or type(pipe.layers[i]).__name__})")
+
+
 def _describe_variables(task: base_task.BaseTask, pipes: list[pipelining_layer.PipeliningLayer]
                         ) -> dict[Any, str]:
     """variable ref -> 'pipeline <path>, cell k, layer i (name)'."""
     where = {}
     for pipe in pipes:
         for i, layer in enumerate(pipe.layers):
-            text = (f"pipeline {pipe.path}, cell {pipe.partition.cell_of_layer(i)}, "
-                    f"layer {i} ({pipe.params.layers[i].name or type(layer).__name__})")
+            text = _describe_layer(pipe, i)
             for v in layer.vars.Flatten():
                 where[v.ref()] = text
     return where
+
+
+def _batch_leaves(x: Any) -> list[Any]:
+    """The float tensors of a layer's output that have a batch dimension."""
+    leaves = x.Flatten() if isinstance(x, NestedMap) else [x]
+    return [leaf for leaf in leaves if tf.is_tensor(leaf) and leaf.dtype.is_floating
+            and leaf.shape.rank]
+
+
+def _first_coupled_layer(pipe: pipelining_layer.PipeliningLayer, theta: NestedMap,
+                         inputs: Any, base_offset: Any, tolerance: float
+                         ) -> tuple[str, float] | None:
+    """The first layer of `pipe` whose output on the pipeline's micro-batches differs from its
+    output on their concatenation (fed the same activations), with the relative difference.
+
+    Batch-statistical layers are expected to differ and are skipped. Runs eagerly.
+    """
+    batch_dim = pipe.params.batch_dim
+    batch_size = _batch_size(inputs, batch_dim)
+    num_groups = pipe.num_replicas * pipe.num_micro_batches_for(batch_size // pipe.num_replicas)
+    size = batch_size // num_groups
+
+    def part(x: Any, g: int) -> Any:
+        if x is None or x.shape.rank == 0:
+            return x
+        index = [slice(None)] * x.shape.rank
+        index[batch_dim] = slice(g * size, (g + 1) * size)
+        return x[tuple(index)]
+
+    x = inputs
+    for i, layer in enumerate(pipe.layers):
+        outputs = []
+        for g in range(num_groups):
+            if isinstance(x, NestedMap):
+                group = x.Transform(lambda v, g=g: part(v, g))
+            else:
+                group = part(x, g)
+            with fprop_context.fprop_context(example_offset=base_offset + g * size,
+                                             batch_dim=batch_dim):
+                outputs.append(layer.FProp(theta.layers[i], group))
+        split = _merge_groups(outputs, batch_dim)
+        if not _uses_batch_statistics(layer):
+            with fprop_context.fprop_context(example_offset=base_offset, batch_dim=batch_dim):
+                whole = layer.FProp(theta.layers[i], x)
+            # The floor keeps rounding noise on an all-but-zero output from looking like a bug.
+            diffs = [relative_difference(a, b, floor=1e-6)
+                     for a, b in zip(_batch_leaves(split), _batch_leaves(whole))]
+            worst = max(diffs, default=0.0)
+            if not worst <= tolerance:
+                return _describe_layer(pipe, i), worst
+        x = split
+    return None
+
+
+def _locate(task: base_task.BaseTask, batch: NestedMap,
+            pipes: list[pipelining_layer.PipeliningLayer], step_seed: int, tolerance: float
+            ) -> tuple[str, float] | None:
+    """The first batch-coupled layer of the first pipeline that has one (see the module doc)."""
+    captured: dict[str, tuple[Any, Any, Any]] = {}
+
+    def capturing(pipe: pipelining_layer.PipeliningLayer) -> Any:
+        reference = _reference_fprop(pipe, {})
+
+        def fprop(theta: NestedMap, inputs: Any) -> Any:
+            captured[pipe.path] = (theta, inputs, fprop_context.current().example_offset)
+            return reference(theta, inputs)
+
+        return fprop
+
+    for pipe in pipes:
+        pipe.__dict__["FProp"] = capturing(pipe)
+    try:
+        with tf.device("/device:CPU:0"), fprop_context.fprop_context(
+                training=True, step_seed=step_seed, example_offset=0, updates=None):
+            task.FProp(task.theta, batch)
+            for pipe in pipes:
+                if pipe.path in captured:
+                    found = _first_coupled_layer(pipe, *captured[pipe.path], tolerance)
+                    if found is not None:
+                        return found
+    finally:
+        for pipe in pipes:
+            pipe.__dict__.pop("FProp", None)
+    return None
 
 
 def _dense(g: Any) -> Any:
@@ -378,6 +489,11 @@ def check_equivalence(task: base_task.BaseTask, batch: NestedMap,
             max_rel_diff=relative_difference(g, r, floor)))
     # NaN sorts first: a NaN gradient is the worst.
     diffs.sort(key=lambda d: -np.inf if np.isnan(d.max_rel_diff) else -d.max_rel_diff)
-    return EquivalenceReport(pipelines=setups, loss=float(loss), reference_loss=float(ref_loss),
-                             variables=diffs, tolerance=tolerance,
-                             batch_size=_batch_size(batch, 0), gradient_floor=floor)
+    report = EquivalenceReport(pipelines=setups, loss=float(loss), reference_loss=float(ref_loss),
+                               variables=diffs, tolerance=tolerance,
+                               batch_size=_batch_size(batch, 0), gradient_floor=floor)
+    if not report.passed:
+        found = _locate(task, batch, pipes, step_seed, tolerance)
+        if found is not None:
+            report.suspect, report.suspect_rel_diff = found
+    return report
