@@ -5,8 +5,10 @@ from __future__ import annotations
 import unittest
 
 from lingvo_lite.analysis import breakdown_advice, trace_analysis
+from lingvo_lite.pipeline import schedule
 
-CONFIG = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=8)
+GPIPE_K2_T8 = schedule.make_schedule("gpipe", 2, 8)
+CONFIG = breakdown_advice.PipelineConfig(GPIPE_K2_T8)
 
 
 def _breakdown(busy0: float, busy1: float, bubble: float) -> trace_analysis.Breakdown:
@@ -30,12 +32,12 @@ class AdviceTest(unittest.TestCase):
                                         "busier than device 0;"), msg=line)
         self.assertIn("partition_cost=", line)
         measured = breakdown_advice.PipelineConfig(
-            num_cells=2, num_micro_batches=8,
+            GPIPE_K2_T8,
             partition_costs=("flops", "param_bytes", "activation_bytes", "measured"))
         self.assertIn("consider partition_cost='measured'",
                       breakdown_advice.summary_line(b, measured))
         already = breakdown_advice.PipelineConfig(
-            num_cells=2, num_micro_batches=8, partition_cost="measured",
+            GPIPE_K2_T8, partition_cost="measured",
             partition_costs=("flops", "param_bytes", "activation_bytes", "measured"))
         line = breakdown_advice.summary_line(b, already)
         self.assertNotIn("consider partition_cost", line)
@@ -52,9 +54,12 @@ class AdviceTest(unittest.TestCase):
 
     def test_few_micro_batches_suggest_more(self):
         b = _breakdown(0.45, 0.45, bubble=0.45)
-        few = breakdown_advice.PipelineConfig(num_cells=2, num_micro_batches=1)
+        few = breakdown_advice.PipelineConfig(schedule.make_schedule("gpipe", 2, 1))
         tips = breakdown_advice.advice(b, few)
-        self.assertTrue(any("num_micro_batches=8" in t for t in tips), msg=tips)
+        # GPipe at K=2: (K-1)/(T+K-1) = 1/2 at T=1, 1/9 at T=8.
+        self.assertTrue(any("at T=1 the gpipe schedule's bubble is 50%" in t
+                            and "num_micro_batches=8 would bring it to 11%" in t
+                            for t in tips), msg=tips)
 
     def test_markdown_table_lists_every_part_and_device(self):
         text = breakdown_advice.markdown(_breakdown(0.36, 0.72, bubble=0.18), CONFIG)
@@ -68,15 +73,27 @@ class AdviceTest(unittest.TestCase):
         # 4 cells on D=2 devices (v=2), T=2: (D-1)/(vT+D-1) = 1/5 of the pipelined time,
         # where GPipe's bound for 4 cells would say 3/5 and for 2 devices without
         # interleaving 1/3.
-        config = breakdown_advice.PipelineConfig(num_cells=4, num_micro_batches=2,
-                                                 virtual_stages=2)
+        config = breakdown_advice.PipelineConfig(
+            schedule.make_schedule("interleaved", 4, 2, virtual_stages=2))
         self.assertEqual(2, config.num_devices)
         self.assertAlmostEqual(1 / 5, config.bubble_bound())
         text = breakdown_advice.markdown(_breakdown(0.45, 0.45, bubble=0.45), config)
-        self.assertIn("The interleaved bound (D-1)/(vT+D-1) at D=2, v=2, T=2: 20.0%", text)
+        self.assertIn("The interleaved schedule's bubble at K=4 cells on D=2 devices, T=2: "
+                      "20.0%", text)
         tips = breakdown_advice.advice(_breakdown(0.45, 0.45, bubble=0.45), config)
-        self.assertTrue(any("at T=2 the interleaved bound (D-1)/(vT+D-1) is 20%" in t
+        self.assertTrue(any("at T=2 the interleaved schedule's bubble is 20%" in t
                             for t in tips), msg=tips)
+
+    def test_zbv_bound_and_devices_come_from_the_schedule(self):
+        # ZB-V, 4 cells on 2 devices (device d holds cells d and 3-d), T=2: 12 actions per
+        # device in 13 unit ticks; device 1 waits one tick for 0F0, device 0 one for 2F0
+        # before 3F0: 2 idle slots of 26, 1/13. The table lists 2 devices, not 4 cells.
+        config = breakdown_advice.PipelineConfig(schedule.make_schedule("zbv", 4, 2))
+        self.assertEqual(2, config.num_devices)
+        self.assertAlmostEqual(1 / 13, config.bubble_bound())
+        text = breakdown_advice.markdown(_breakdown(0.45, 0.45, bubble=0.45), config)
+        self.assertIn("The zbv schedule's bubble at K=4 cells on D=2 devices, T=2: 7.7%", text)
+        self.assertNotIn("| 2 |", text)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class ChromeTraceTest(unittest.TestCase):
     def test_interleaved_tracks_name_device_and_cell_and_sort_by_device(self):
         boxes = [trace_analysis.Box(cell, "F", 0, 1000 * cell, 1000 * cell + 500, 500, 1,
                                     ((1000 * cell, 1000 * cell + 500),)) for cell in range(4)]
-        trace = chrome_trace.trace_events(boxes, step=1, num_devices=2)
+        trace = chrome_trace.trace_events(boxes, step=1, cell_devices=(0, 1, 0, 1))
         meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
         names = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
         self.assertEqual({0: "device 0, cell 0", 1: "device 1, cell 1", 2: "device 0, cell 2",
@@ -68,6 +68,21 @@ class ChromeTraceTest(unittest.TestCase):
         order = {e["tid"]: e["args"]["sort_index"] for e in meta
                  if e["name"] == "thread_sort_index"}
         self.assertEqual([0, 2, 1, 3], sorted(order, key=order.get))
+
+    def test_zbv_tracks_are_the_schedules_devices(self):
+        # ZB-V, 4 cells on 2 devices: device 0 holds cells 0 and 3, device 1 cells 1 and 2.
+        boxes = [trace_analysis.Box(cell, "F", 0, 1000 * cell, 1000 * cell + 500, 500, 1,
+                                    ((1000 * cell, 1000 * cell + 500),)) for cell in range(4)]
+        sched = schedule.make_schedule("zbv", 4, 1)
+        trace = chrome_trace.trace_events(boxes, step=1, cell_devices=sched.cell_devices)
+        check_trace_event_format(self, trace)
+        meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+        names = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+        self.assertEqual({0: "device 0, cell 0", 1: "device 1, cell 1", 2: "device 1, cell 2",
+                          3: "device 0, cell 3"}, names)
+        order = {e["tid"]: e["args"]["sort_index"] for e in meta
+                 if e["name"] == "thread_sort_index"}
+        self.assertEqual([0, 3, 1, 2], sorted(order, key=order.get))
 
     def test_one_named_track_per_device_and_box_names(self):
         trace = chrome_trace.trace_events(BOXES, step=7)

@@ -191,7 +191,10 @@ class InterleavedAndBatchedTest(unittest.TestCase):
         rows = [(0, "F", 0, 0, 10), (1, "F", 0, 10, 20), (2, "F", 0, 20, 30),
                 (3, "F", 0, 30, 40), (3, "B", 0, 40, 60), (2, "B", 0, 60, 80),
                 (1, "B", 0, 80, 100), (0, "B", 0, 100, 120)]
-        info = gantt.StepInfo("M", 4, 1, "interleaved", "never", 120.0, virtual_stages=2)
+        info = gantt.StepInfo("M", 4, 1, "interleaved", "never", 120.0,
+                              cell_devices=schedule.make_schedule("interleaved", 4, 2,
+                                                                  2).cell_devices)
+        self.assertEqual((0, 1, 0, 1), info.cell_devices)
         fig = gantt.gantt_figure([_box(*r) for r in rows], info)
         ax = _axes(fig, "measured")
         labels = [t.get_text() for t in ax.get_yticklabels()]
@@ -204,7 +207,40 @@ class InterleavedAndBatchedTest(unittest.TestCase):
         busy = {p.get_gid(): p for p in ax.collections}
         self.assertFalse(busy["F cell 0 mb 0 busy"].get_hatch())
         self.assertTrue(busy["F cell 2 mb 0 busy"].get_hatch())
-        self.assertIn("on 2 devices (v=2)", fig.get_suptitle())
+        self.assertIn("K=4 on 2 devices", fig.get_suptitle())
+
+    def test_zbv_cells_are_drawn_on_the_schedules_devices(self):
+        # ZB-V, 4 cells on 2 devices: device 0 holds cells 0 and 3, device 1 cells 1 and 2
+        # (not k % 2). One micro-batch, hand-placed: F down the V and back up, then B.
+        rows = [(0, "F", 0, 0, 10), (1, "F", 0, 10, 20), (2, "F", 0, 20, 30),
+                (3, "F", 0, 30, 40), (3, "B", 0, 40, 50), (2, "B", 0, 50, 60),
+                (1, "B", 0, 60, 70), (0, "B", 0, 70, 80)]
+        info = gantt.StepInfo.of("M", schedule.make_schedule("zbv", 4, 1), "never", 80.0)
+        self.assertEqual((0, 1, 1, 0), info.cell_devices)
+        fig = gantt.gantt_figure([_box(*r) for r in rows], info)
+        ax = _axes(fig, "measured")
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        self.assertEqual(2, len(labels))
+        # Device 0 runs cells 0 and 3: busy 0-10, 30-50 and 70-80 ms, idle 40 of 80 ms;
+        # device 1 (cells 1 and 2) busy 10-30 and 50-70: idle 40 of 80 too. Under k % 2
+        # device 0 would be busy 0-10, 20-30, 50-60, 70-80.
+        self.assertIn("idle 50%", labels[0])
+        self.assertAlmostEqual(0.5, gantt.device_idle_fraction(
+            [_box(*r) for r in rows], 0, T0, T0 + 80 * MS, info.cell_devices))
+        self.assertAlmostEqual(0.75, gantt.device_idle_fraction(
+            [_box(*r) for r in rows if r[0] in (0, 3)][:2], 0, T0, T0 + 80 * MS,
+            info.cell_devices))
+        expected_row = {0: 0, 1: 1, 2: 1, 3: 0}
+        for cell, phase, mb, _, _ in rows:
+            rect = _rect(ax, f"{phase} cell {cell} mb {mb}")
+            self.assertAlmostEqual(expected_row[cell], rect.get_y() + rect.get_height() / 2)
+        busy = {p.get_gid(): p for p in ax.collections}
+        # Each device's second cell (3 on device 0, 2 on device 1) is hatched.
+        self.assertFalse(busy["F cell 0 mb 0 busy"].get_hatch())
+        self.assertFalse(busy["F cell 1 mb 0 busy"].get_hatch())
+        self.assertTrue(busy["F cell 2 mb 0 busy"].get_hatch())
+        self.assertTrue(busy["F cell 3 mb 0 busy"].get_hatch())
+        self.assertIn("K=4 on 2 devices", fig.get_suptitle())
 
     def test_batched_weight_gradient_box_is_labelled_all(self):
         all_mb = op_names.ALL_MICRO_BATCHES

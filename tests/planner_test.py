@@ -131,6 +131,37 @@ def test_interleaved_plans_put_v_cells_on_each_device():
         dataclasses.replace(result, fitting=(plan,)), MODEL, path)
 
 
+def test_zbv_plans_put_two_cells_on_each_device_in_a_v():
+    config = model_config.build_model_config(options.RunOptions(model=MODEL,
+                                                                mode="inspect_model"))
+    (path, p), = model_config.iter_pipelining_params(config.task_params)
+    result = planner.search(p, num_devices=2, budget=sizes.parse_size("1GiB"),
+                            schedules=("zero_bubble", "zbv"))
+    zbv = [x for x in result.fitting + result.too_big if x.schedule == "zbv"]
+    # PlanMlp has 9 layers; on at most 2 devices ZB-V runs K=4 cells on 2 devices (K=2
+    # would be one device, which has no bubble to fill).
+    assert zbv and {x.num_cells for x in zbv} == {4}
+    for plan in zbv:
+        assert plan.num_devices == 2 * plan.num_replicas
+        # Device 0 holds cells 0 and 3, device 1 cells 1 and 2: not k % 2.
+        assert [m.cells for m in plan.memory] == [(0, 3), (1, 2)]
+    plan = zbv[0]
+    assert plan.schedule_label == "zbv"
+    flags = planner.plan_flags(plan, MODEL, path)
+    assert "network.schedule : 'zbv'" in flags and "virtual_stages" not in flags
+    assert "zbv" in planner.format_report(dataclasses.replace(result, fitting=(plan,)), MODEL,
+                                          path)
+
+
+def test_odd_cell_counts_get_no_zbv_plan():
+    config = model_config.build_model_config(options.RunOptions(model=MODEL,
+                                                                mode="inspect_model"))
+    (_, p), = model_config.iter_pipelining_params(config.task_params)
+    result = planner.search(p, num_devices=3, budget=sizes.parse_size("1GiB"),
+                            schedules=("zbv",), remats=("never",))
+    assert {x.num_cells for x in result.fitting + result.too_big} == {4, 6}
+
+
 def test_simulator_at_128_cells_and_512_micro_batches_is_linear(monkeypatch):
     """K=128, T=512: the dependency checks stay O(K x (T + K)), and the step time is GPipe's
     closed form (T + K - 1) x (forward + backward)."""

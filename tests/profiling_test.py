@@ -76,6 +76,33 @@ class TrainerProfileTest(tf.test.TestCase):
         self.assertIn("device 0, cell 2", {e["args"]["name"] for e in trace["traceEvents"]
                                            if e.get("name") == "thread_name"})
 
+    def test_zbv_pipeline_is_profiled_on_the_schedules_devices(self):
+        # ZB-V, 4 cells on 2 devices (device 0 holds cells 0 and 3, device 1 cells 1 and 2):
+        # the breakdown has one entry per device and the trace names each cell's device as
+        # the schedule placed it, not k % 2.
+        import plan_models  # noqa: F401  (registers PlanMlp)
+
+        logdir = os.path.join(tempfile.mkdtemp(), "run")
+        out, err = io.StringIO(), io.StringIO()
+        status = runner.main(options.RunOptions(
+            model="plan_models.PlanMlp", logdir=logdir, mode="train", max_steps=3,
+            profile_steps="2", model_params_override=(
+                "network.schedule : 'zbv'; network.num_cells : 4; "
+                "network.num_micro_batches : 2")), out=out, err=err)
+        self.assertEqual(0, status, msg=err.getvalue())
+        train_dir = os.path.join(logdir, "train")
+        with open(os.path.join(train_dir, "pipeline_breakdown.json")) as f:
+            step = json.load(f)["steps"][-1]
+        self.assertEqual({"device_0_busy", "device_1_busy"},
+                         {k for k in step if k.endswith("_busy")})
+        with open(os.path.join(train_dir, "pipeline_trace_2.json")) as f:
+            trace = json.load(f)
+        self.assertEqual({0, 1, 2, 3}, {b.cell for b in boxes_from_trace(trace)})
+        tracks = {e["args"]["name"] for e in trace["traceEvents"]
+                  if e.get("name") == "thread_name"}
+        self.assertTrue({"device 0, cell 0", "device 1, cell 1", "device 1, cell 2",
+                         "device 0, cell 3"} <= tracks, msg=tracks)
+
     def test_serial_devices_cannot_be_profiled_and_nothing_is_written(self):
         import testdata_models  # noqa: F401  (registers TinyMlp)
 

@@ -136,7 +136,8 @@ class TraceTest(tf.test.TestCase, parameterized.TestCase):
         parts = sorted((trace_analysis.compute_breakdown(evs, 2) for evs in skewed),
                        key=lambda b: b.load_imbalance)
         median = parts[len(parts) // 2]
-        tip = breakdown_advice.advice(median, breakdown_advice.PipelineConfig(2, 4))[0]
+        tip = breakdown_advice.advice(median, breakdown_advice.PipelineConfig(
+            schedule.make_schedule("gpipe", 2, 4)))[0]
         self.assertRegex(tip, r"^load imbalance \d+%: device 0 is \d+\.\dx busier than device 1")
 
 
@@ -179,14 +180,43 @@ class BreakdownArithmeticTest(tf.test.TestCase):
             ev("cell_1/bprop_mb_0/MatMul", "MatMul", 80, 100),
             ev("cell_0/bprop_mb_0/MatMul", "MatMul", 100, 120),
         ]
-        b = trace_analysis.compute_breakdown(events, 4, virtual_stages=2)
+        sched = schedule.make_schedule("interleaved", 4, 2, virtual_stages=2)
+        b = trace_analysis.compute_breakdown(events, cell_devices=sched)
         # Busy: device 0 = 10 + 10 + 20 + 20 = 60, device 1 = 10 + 10 + 20 + 20 = 60 of 120.
         self.assertAllClose([0.5, 0.5], b.device_busy)
         self.assertAllClose(5 / 120, b.recompute)  # 10 on device 0, 0 on device 1, averaged.
         self.assertAllClose(0.0, b.load_imbalance)
         self.assertAllClose(60 / 120, b.bubble)
-        with self.assertRaisesRegex(ValueError, "virtual_stages=3 must divide num_cells=4"):
-            trace_analysis.compute_breakdown(events, 4, virtual_stages=3)
+        self.assertEqual(b, trace_analysis.compute_breakdown(events, 4, (0, 1, 0, 1)))
+        with self.assertRaisesRegex(ValueError, "must give a device index >= 0 for each of "
+                                    "the 4 cells"):
+            trace_analysis.compute_breakdown(events, 4, cell_devices=(0, 1, 0))
+
+    def test_zbv_breakdown_counts_cells_on_the_schedules_devices(self):
+        # ZB-V, 4 cells on 2 devices: device 0 holds cells 0 and 3, device 1 cells 1 and 2
+        # (under k % 2 it would be cells 0 and 2). Cell 0 and 3 work 10 each, cells 1 and 2
+        # 30 each, one after the other: per device busy 20 and 60 of 80.
+        ev = trace_analysis.OpEvent
+        events = [
+            ev("cell_0/fprop_mb_0/MatMul", "MatMul", 0, 10),
+            ev("cell_1/fprop_mb_0/MatMul", "MatMul", 10, 25),
+            ev("cell_2/fprop_mb_0/MatMul", "MatMul", 25, 40),
+            ev("cell_3/fprop_mb_0/MatMul", "MatMul", 40, 45),
+            ev("cell_3/bprop_mb_0/MatMul", "MatMul", 45, 50),
+            ev("cell_2/bprop_mb_0/MatMul", "MatMul", 50, 65),
+            ev("cell_1/bprop_mb_0/MatMul", "MatMul", 65, 80),
+        ]
+        sched = schedule.make_schedule("zbv", 4, 1)
+        self.assertEqual((0, 1, 1, 0), sched.cell_devices)
+        b = trace_analysis.compute_breakdown(events, cell_devices=sched)
+        self.assertEqual(80, b.step_ns)
+        self.assertAllClose([20 / 80, 60 / 80], b.device_busy)
+        self.assertAllClose([1 - 20 / 80, 1 - 60 / 80], b.device_idle_in_pipeline)
+        self.assertAllClose((60 - 40) / 80, b.load_imbalance)  # Max 60, mean 40.
+        self.assertAllClose((80 - 60) / 80, b.bubble)
+        # The wrong rule (k % 2) would make the devices look balanced: 40 and 40.
+        wrong = trace_analysis.compute_breakdown(events, cell_devices=(0, 1, 0, 1))
+        self.assertAllClose([40 / 80, 40 / 80], wrong.device_busy)
 
     def test_classify_op_names(self):
         cases = {

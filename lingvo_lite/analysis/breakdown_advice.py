@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from lingvo_lite.analysis import trace_analysis
+from lingvo_lite.pipeline import schedule as schedule_lib
 
 __all__ = [
     "advice",
@@ -37,29 +38,56 @@ OUTSIDE_PIPELINE_SHARE = 0.30
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """The knobs the suggestions name."""
+    """The knobs the suggestions name, and the profiled step's schedule: its cells, T, the
+    devices it places the cells on and its bubble."""
 
-    num_cells: int
-    num_micro_batches: int
+    schedule: schedule_lib.Schedule
     remat: str = "except_last"
     partition_cost: str = "flops"
     partition_costs: Sequence[str] = ("flops", "param_bytes", "activation_bytes")
-    virtual_stages: int = 1  # Cells per device (the interleaved schedule).
+
+    @property
+    def num_cells(self) -> int:
+        return self.schedule.num_cells
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.schedule.num_micro_batches
 
     @property
     def num_devices(self) -> int:
-        return max(self.num_cells // max(self.virtual_stages, 1), 1)
+        return self.schedule.num_devices
 
-    def bubble_bound(self, num_micro_batches: int | None = None) -> float:
-        """The schedule's idle fraction of a balanced pipeline: (D-1)/(vT+D-1) on D devices
-        with v cells each (GPipe's (K-1)/(T+K-1) when v = 1)."""
-        t = self.num_micro_batches if num_micro_batches is None else num_micro_batches
-        return theoretical_bubble(self.num_devices, self.virtual_stages * t)
+    def bubble_bound(self, num_micro_batches: int | None = None) -> float | None:
+        """The schedule's idle fraction of a balanced pipeline (its unit-time timeline's idle
+        share: GPipe's (K-1)/(T+K-1), the interleaved (D-1)/(vT+D-1), ...), at T or at
+        `num_micro_batches`; None when the schedule cannot be rebuilt for that T (a
+        CustomSchedule)."""
+        sched = (self.schedule if num_micro_batches in (None, self.num_micro_batches)
+                 else _at_micro_batches(self.schedule, num_micro_batches))
+        return None if sched is None else sched.bubble_fraction()
 
     @property
     def bubble_formula(self) -> str:
-        return ("GPipe's bound (K-1)/(T+K-1)" if self.virtual_stages == 1
-                else "the interleaved bound (D-1)/(vT+D-1)")
+        return f"the {self.schedule.name or type(self.schedule).__name__} schedule's bubble"
+
+    def where(self) -> str:
+        """'K=2, T=8', or with several cells per device 'K=4 cells on D=2 devices, T=2'."""
+        if self.num_devices == self.num_cells:
+            return f"K={self.num_cells}, T={self.num_micro_batches}"
+        return (f"K={self.num_cells} cells on D={self.num_devices} devices, "
+                f"T={self.num_micro_batches}")
+
+
+def _at_micro_batches(sched: schedule_lib.Schedule,
+                      num_micro_batches: int) -> schedule_lib.Schedule | None:
+    """The same schedule class on the same cells at another T, built as its class builds it
+    (`for_cells`); None when it cannot be."""
+    try:
+        return type(sched).for_cells(sched.num_cells, num_micro_batches,
+                                     getattr(sched, "virtual_stages", 1))
+    except (TypeError, ValueError):
+        return None
 
 
 def _pct(share: float) -> str:
@@ -103,10 +131,11 @@ def _bubble_advice(b: trace_analysis.Breakdown, config: PipelineConfig) -> list[
     K, T = config.num_devices, config.num_micro_batches
     if K > 1 and b.bubble >= BUBBLE_SHARE and T < MICRO_BATCHES_PER_CELL * K:
         more = MICRO_BATCHES_PER_CELL * K
+        later = config.bubble_bound(more)
         out.append(f"bubble {_pct(b.bubble)}: at T={T} {config.bubble_formula} is "
                    f"{_pct(config.bubble_bound())} of the pipelined time; "
-                   f"num_micro_batches={more} would bring it to "
-                   f"{_pct(config.bubble_bound(more))}")
+                   f"num_micro_batches={more} would "
+                   + (f"bring it to {_pct(later)}" if later is not None else "shrink it"))
     pipelined = 1.0 - b.setup - b.weight_update
     if K > 1 and pipelined > 0:
         busiest_idle = b.bubble / pipelined
@@ -168,9 +197,8 @@ def markdown(breakdown: trace_analysis.Breakdown, config: PipelineConfig, title:
     for d, (busy, idle) in enumerate(zip(breakdown.device_busy,
                                          breakdown.device_idle_in_pipeline)):
         lines.append(f"| {d} | {100 * busy:.1f}% | {100 * idle:.1f}% |")
-    K, T, v = config.num_devices, config.num_micro_batches, config.virtual_stages
-    where = f"K={K}, T={T}" if v == 1 else f"D={K}, v={v}, T={T}"
     formula = config.bubble_formula
-    lines += ["", f"{formula[0].upper()}{formula[1:]} at {where}: "
-              f"{100 * config.bubble_bound():.1f}% of the pipelined time."]
+    lines += ["", f"{formula[0].upper()}{formula[1:]} at {config.where()}: "
+              f"{100 * config.bubble_bound():.1f}% of the pipelined time (its unit-time "
+              "timeline's idle share)."]
     return "\n".join(lines)

@@ -4,8 +4,9 @@ The file follows the Trace Event Format's JSON object form: `{"traceEvents": [..
 "displayTimeUnit": "ms", "otherData": {...}}`. Each box is a complete event (`"ph": "X"`) named
 like `trace_analysis.box_name` ('F cell 1 mb 3'), with `ts` and `dur` in microseconds, on thread
 (track) `tid = cell` of process `pid`: the measured step is process 1 and, when given, the
-schedule simulator's prediction process 2, so both show one track per device, one above the
-other (plus a track for boxes that overlap others of their device, see `assign_lanes`).
+schedule simulator's prediction process 2, so both show one track per cell, named and sorted
+by the device the schedule placed it on (`cell_devices`), one above the other (plus a track
+for boxes that overlap others of their cell, see `assign_lanes`).
 Metadata events name the processes and tracks. `args` hold the phase, cell, micro-batch, op
 count and the busy runs (where the box's ops really ran).
 
@@ -51,24 +52,30 @@ def assign_lanes(boxes: Sequence[trace_analysis.Box]) -> list[int]:
     return lanes
 
 
-def _track_name(cell: int, num_devices: int | None) -> str:
-    """'device k', or with several cells per device (interleaved) 'device d, cell k'."""
-    if num_devices is None:
-        return f"device {cell}"
-    return f"device {cell % num_devices}, cell {cell}"
+def _device(cell: int, cell_devices: Sequence[int] | None) -> int:
+    return cell_devices[cell] if cell_devices and cell < len(cell_devices) else cell
+
+
+def _track_name(cell: int, cell_devices: Sequence[int] | None) -> str:
+    """'device k' for cell k on device k, else (several cells per device: interleaved, zbv)
+    'device d, cell k' with d = cell_devices[k]."""
+    device = _device(cell, cell_devices)
+    if not cell_devices or list(cell_devices) == list(range(len(cell_devices))):
+        return f"device {device}"
+    return f"device {device}, cell {cell}"
 
 
 def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]],
-              num_devices: int | None) -> list[dict]:
+              cell_devices: Sequence[int] | None) -> list[dict]:
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                "args": {"name": process_name}},
               {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                "args": {"sort_index": pid}}]
     for cell, lane in sorted(tracks):
         tid = LANE_TID_STRIDE * lane + cell
-        name = _track_name(cell, num_devices) + (f" (overlapping {lane})" if lane else "")
+        name = _track_name(cell, cell_devices) + (f" (overlapping {lane})" if lane else "")
         # Tracks sort by device, then cell, then lane.
-        device = cell if num_devices is None else cell % num_devices
+        device = _device(cell, cell_devices)
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                        "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
@@ -78,13 +85,13 @@ def _metadata(pid: int, process_name: str, tracks: set[tuple[int, int]],
 
 
 def _box_events(boxes: Sequence[trace_analysis.Box], pid: int, process_name: str,
-                origin_ns: int, num_devices: int | None) -> list[dict]:
+                origin_ns: int, cell_devices: Sequence[int] | None) -> list[dict]:
     def us(t_ns: int) -> float:
         return (t_ns - origin_ns) / 1000.0
 
     lanes = assign_lanes(boxes)
     tracks = {(b.cell, 0) for b in boxes} | {(b.cell, n) for b, n in zip(boxes, lanes)}
-    return _metadata(pid, process_name, tracks, num_devices) + [{
+    return _metadata(pid, process_name, tracks, cell_devices) + [{
         "ph": "X", "name": trace_analysis.box_name(b), "cat": _PHASE_NAMES.get(b.phase, b.phase),
         "pid": pid, "tid": LANE_TID_STRIDE * lane + b.cell, "ts": us(b.start_ns),
         "dur": (b.end_ns - b.start_ns) / 1000.0,
@@ -96,28 +103,29 @@ def _box_events(boxes: Sequence[trace_analysis.Box], pid: int, process_name: str
 
 def trace_events(measured: Sequence[trace_analysis.Box], step: int,
                  predicted: Sequence[trace_analysis.Box] | None = None,
-                 title: str = "", num_devices: int | None = None) -> dict:
+                 title: str = "", cell_devices: Sequence[int] | None = None) -> dict:
     """The trace-event JSON object of one step's boxes (and the schedule's prediction).
 
-    `num_devices`: when the cells outnumber the devices (the interleaved schedule: device d
-    holds cells d, d + num_devices, ...), each cell's track is named after its device too.
+    `cell_devices[k]`: the device the schedule placed cell k on (`Schedule.cell_devices`);
+    default: cell k on device k. Where it is not so, each cell's track is named after its
+    device too ('device d, cell k').
     """
     if not measured:
         raise ValueError("trace_events needs at least one measured box.")
     origin_ns = min(b.start_ns for b in measured)
     events = _box_events(measured, MEASURED_PID, f"measured: global step {step}", origin_ns,
-                         num_devices)
+                         cell_devices)
     if predicted:  # Predictions start at 0.
         events += _box_events(predicted, PREDICTED_PID, "predicted by the schedule simulator", 0,
-                              num_devices)
+                              cell_devices)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"origin_ns": origin_ns, "step": step, "title": title}}
 
 
 def write_trace(path: str, measured: Sequence[trace_analysis.Box], step: int,
                 predicted: Sequence[trace_analysis.Box] | None = None, title: str = "",
-                num_devices: int | None = None) -> str:
+                cell_devices: Sequence[int] | None = None) -> str:
     """Writes `trace_events(...)` to `path` (open it in https://ui.perfetto.dev); returns it."""
     with open(path, "w") as f:
-        json.dump(trace_events(measured, step, predicted, title, num_devices), f)
+        json.dump(trace_events(measured, step, predicted, title, cell_devices), f)
     return path

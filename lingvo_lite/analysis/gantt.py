@@ -30,6 +30,7 @@ from matplotlib.patches import Patch
 
 from lingvo_lite.analysis import trace_analysis
 from lingvo_lite.pipeline import op_names
+from lingvo_lite.pipeline import schedule as schedule_lib
 
 __all__ = [
     "device_idle_fraction",
@@ -69,7 +70,7 @@ NARROW_LABEL_FONT_PT = 6.5
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What the chart's title says about the run."""
+    """What the chart's title says about the run, and where its cells ran."""
 
     model: str
     num_cells: int
@@ -77,16 +78,30 @@ class StepInfo:
     schedule: str
     remat: str
     step_ms: float
-    virtual_stages: int = 1  # Cells per device (interleaved): rows are devices, not cells.
+    # cell_devices[k]: the device of cell k, as the schedule placed it (chart rows are
+    # devices); () for one cell per device, cell k on device k.
+    cell_devices: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model: str, sched: schedule_lib.Schedule, remat: str,
+           step_ms: float) -> StepInfo:
+        """The facts of a step run by `sched` (its cells, T, name and placement)."""
+        return cls(model, sched.num_cells, sched.num_micro_batches,
+                   sched.name or type(sched).__name__, remat, step_ms, sched.cell_devices)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Each cell's device (`cell_devices`, or cell k on device k)."""
+        return tuple(self.cell_devices) or tuple(range(self.num_cells))
 
     @property
     def num_devices(self) -> int:
-        return max(self.num_cells // max(self.virtual_stages, 1), 1)
+        return 1 + max(self.devices, default=0)
 
     def title(self) -> str:
         cells = f"K={self.num_cells}"
-        if self.virtual_stages > 1:
-            cells += f" on {self.num_devices} devices (v={self.virtual_stages})"
+        if self.num_devices != self.num_cells:
+            cells += f" on {self.num_devices} devices"
         return (f"{self.model}: step {self.step_ms:.1f} ms\n{cells}, "
                 f"T={self.num_micro_batches}, schedule {self.schedule}, remat {self.remat}")
 
@@ -98,20 +113,26 @@ def phases_present(boxes: Sequence[trace_analysis.Box]) -> list[str]:
 
 
 def device_idle_fraction(boxes: Sequence[trace_analysis.Box], device: int, start_ns: int,
-                         end_ns: int, num_devices: int | None = None) -> float:
-    """Share of [start_ns, end_ns) during which no op of `device`'s cells ran (device d
-    holds cells d, d + num_devices, ...; default: one cell per device)."""
-    runs = [seg for b in boxes if _row(b, num_devices) == device
+                         end_ns: int, cell_devices: Sequence[int] | None = None) -> float:
+    """Share of [start_ns, end_ns) during which no op of `device`'s cells ran
+    (`cell_devices[k]`: cell k's device, the schedule's; default: one cell per device)."""
+    runs = [seg for b in boxes if _row(b, cell_devices) == device
             for seg in (b.segments or ((b.start_ns, b.end_ns),))]
     return 1.0 - trace_analysis.union_ns(runs) / max(end_ns - start_ns, 1)
 
 
-def _row(box: trace_analysis.Box, num_devices: int | None) -> int:
+def _row(box: trace_analysis.Box, cell_devices: Sequence[int] | None) -> int:
     """The device (chart row) of a box's cell."""
-    return box.cell if num_devices is None else box.cell % num_devices
+    return cell_devices[box.cell] if cell_devices and box.cell < len(cell_devices) else box.cell
 
 
-# Cells of later virtual stages on a device (interleaved) are hatched, stage by stage.
+def _stage(cell: int, cell_devices: Sequence[int]) -> int:
+    """Which of its device's cells `cell` is, in increasing order (0 for the first)."""
+    return sum(1 for k in range(min(cell, len(cell_devices)))
+               if cell < len(cell_devices) and cell_devices[k] == cell_devices[cell])
+
+
+# A device's later cells (interleaved, zbv) are hatched, one pattern per cell of the device.
 STAGE_HATCHES = ("", "////", "xxxx", "....")
 
 
@@ -126,8 +147,8 @@ def _close_gaps(runs: Sequence[tuple[int, int]], min_gap_ns: float) -> list[tupl
     return [(a, b) for a, b in out]
 
 
-def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_devices: int, t0_ns: int,
-                   span_ms: float) -> None:
+def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], cell_devices: Sequence[int],
+                   t0_ns: int, span_ms: float) -> None:
     """Rows, idle bands and boxes; labels come later, once the layout fixes the axes' size.
 
     The axis spans `span_ms` (shared by the panels); idle shares are of these boxes' own span.
@@ -135,11 +156,12 @@ def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_devices: int, t0
     end_ns = max(b.end_ns for b in boxes)
     # Gaps narrower than a pixel between a box's ops would draw as a hatch of hairlines.
     min_gap_ns = span_ms * 1e6 / (FIGURE_WIDTH_IN * DPI)
+    num_devices = 1 + max(cell_devices)
     for k in range(num_devices):
         ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
     for b in boxes:
         color = PHASE_COLORS.get(b.phase, "#777777")
-        row, stage = _row(b, num_devices), b.cell // num_devices
+        row, stage = _row(b, cell_devices), _stage(b.cell, cell_devices)
         hatch = STAGE_HATCHES[stage % len(STAGE_HATCHES)] or None
         start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
         ax.barh(row, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
@@ -154,7 +176,7 @@ def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], num_devices: int, t0
     ax.set_yticks(range(num_devices))
     ax.set_yticklabels([
         f"device {k}\nidle "
-        f"{100 * device_idle_fraction(boxes, k, t0_ns, end_ns, num_devices):.0f}%"
+        f"{100 * device_idle_fraction(boxes, k, t0_ns, end_ns, cell_devices):.0f}%"
         for k in range(num_devices)], fontsize=FONT_PT)
     ax.set_xlim(0.0, span_ms)
     ax.tick_params(axis="x", labelsize=FONT_PT)
@@ -179,7 +201,7 @@ def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float,
 
 
 def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int,
-                 num_devices: int) -> None:
+                 cell_devices: Sequence[int]) -> None:
     """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
 
     Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
@@ -199,12 +221,12 @@ def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int,
         center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
         placement = _label_placement(label, widths[b], row_px)
         if placement is not None:
-            ax.text(center_ms, _row(b, num_devices), label, ha="center", va="center",
+            ax.text(center_ms, _row(b, cell_devices), label, ha="center", va="center",
                     fontsize=placement[0], rotation=placement[1], color="black",
                     gid=f"{trace_analysis.box_name(b)} label", clip_on=True)
         elif (b.micro_batch % stride == 0 or b.micro_batch == op_names.ALL_MICRO_BATCHES) \
                 and b.phase != trace_analysis.RECOMPUTE:
-            ax.text(center_ms, _row(b, num_devices), label, ha="center", va="center",
+            ax.text(center_ms, _row(b, cell_devices), label, ha="center", va="center",
                     fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
                     gid=f"{trace_analysis.box_name(b)} label",
                     bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
@@ -241,8 +263,8 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
 
     Args:
       measured: the boxes of one step (`trace_analysis.boxes_from_events`).
-      info: the title's facts; one row per device: `info.num_cells / info.virtual_stages`
-        (device d holds cells d, d + D, ...; later virtual stages hatched).
+      info: the title's facts; one row per device, each cell on its device
+        `info.cell_devices[k]` (the schedule's placement; a device's later cells hatched).
       predicted: the schedule's prediction (`ideal_timeline.predict_from_measured`), drawn
         under the measured step on the same axis.
       breakdown: the step's Figure 4 breakdown, drawn at the bottom.
@@ -250,7 +272,10 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     if not measured:
         raise ValueError("gantt_figure needs at least one box; was a pipeline step profiled?")
     num_cells = max(info.num_cells, 1 + max(b.cell for b in measured))
-    num_devices = max(num_cells // max(info.virtual_stages, 1), 1)
+    # Cells the info does not name (more in the trace than it says) get rows of their own.
+    cell_devices = info.devices + tuple(range(info.num_devices,
+                                              info.num_devices + num_cells - len(info.devices)))
+    num_devices = 1 + max(cell_devices)
     t0_ns = min(b.start_ns for b in measured)
     measured_ms = (max(b.end_ns for b in measured) - t0_ns) / 1e6
     span_ms = measured_ms
@@ -274,7 +299,7 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
         ax.set_label(label)
         by_label[label] = ax
     ax = by_label["measured"]
-    _draw_timeline(ax, measured, num_devices, t0_ns, span_ms)
+    _draw_timeline(ax, measured, cell_devices, t0_ns, span_ms)
     ax.set_title(f"Measured: {measured_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     # The legend names the phases of both panels: a prediction of a split-backward schedule
     # has W boxes even where the measured step has none.
@@ -283,7 +308,7 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
     if predicted:
         ax = by_label["predicted"]
-        _draw_timeline(ax, predicted, num_devices, 0, span_ms)
+        _draw_timeline(ax, predicted, cell_devices, 0, span_ms)
         ax.set_title(f"Simulated {info.schedule} schedule, mean durations: "
                      f"{predicted_ms:.1f} ms", fontsize=FONT_PT + 0.5, loc="left")
     timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
@@ -294,9 +319,9 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     if breakdown is not None:
         _draw_breakdown(by_label["breakdown"], breakdown)
     fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.
-    _label_boxes(by_label["measured"], measured, t0_ns, num_devices)
+    _label_boxes(by_label["measured"], measured, t0_ns, cell_devices)
     if predicted:
-        _label_boxes(by_label["predicted"], predicted, 0, num_devices)
+        _label_boxes(by_label["predicted"], predicted, 0, cell_devices)
     return fig
 
 

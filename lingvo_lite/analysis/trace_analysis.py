@@ -8,7 +8,8 @@ after the other in its schedule order, so the j-th run of a function-body op on 
 j-th call of that function in the schedule (`op_names.function_runs`): ops of a profiler trace
 (XSpace protobuf, the `*.xplane.pb` files `tf.profiler.experimental.start/stop` writes) map to
 (cell, phase, micro-batch) without guessing, given the schedule and the remat mode. Cell k runs on
-device k, so rows of the chart are devices.
+the schedule's device `cell_devices[k]` (`Schedule.cell_devices`, the one placement rule), so
+rows of the chart and the breakdown's per-device times are the schedule's devices.
 
 From the op intervals this module derives:
 - `Box`es: one per (cell, phase, micro-batch), spanning that action's first op start to its last
@@ -37,6 +38,7 @@ __all__ = [
     "Box",
     "box_name",
     "boxes_from_events",
+    "cell_devices_of",
     "Breakdown",
     "classify_events",
     "classify_op",
@@ -228,14 +230,16 @@ def classify_op(name: str) -> tuple[int, str, int | None] | None:
     return parsed.cell, parsed.phase, parsed.micro_batch
 
 
-def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
+def classify_events(events: Sequence[OpEvent],
+                    schedule_spec: str | schedule.Schedule = "gpipe",
                     remat_mode: str = "except_last",
                     virtual_stages: int = 1) -> list[tuple[OpEvent, int, str, int]]:
     """(event, cell, phase, micro_batch) for the pipeline ops of one step, in time order.
 
     Ops inside a cell's functions get their micro-batch from the order their function ran in:
-    the j-th run of an op is the j-th call of its function in the schedule `schedule_name` with
-    re-materialisation `remat_mode` (K and T are read off the trace). Bookkeeping ops are
+    the j-th run of an op is the j-th call of its function in the schedule `schedule_spec` (a
+    name, built with `virtual_stages` for K and T read off the trace, or the profiled
+    pipeline's Schedule object) with re-materialisation `remat_mode`. Bookkeeping ops are
     left out.
     """
     parsed = []
@@ -247,7 +251,7 @@ def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
             parsed.append((e, p))
     runs = None
     if any(p.micro_batch is None for _, p in parsed):
-        runs = _function_runs_of(parsed, schedule_name, remat_mode, virtual_stages)
+        runs = _function_runs_of(parsed, schedule_spec, remat_mode, virtual_stages)
     seen: dict[str, int] = {}
     out = []
     for e, p in parsed:
@@ -263,8 +267,11 @@ def classify_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
     return out
 
 
-def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedule_name: str,
-                      remat_mode: str, virtual_stages: int) -> dict[tuple[int, str], list[int]]:
+def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]],
+                      schedule_spec: str | schedule.Schedule, remat_mode: str,
+                      virtual_stages: int) -> dict[tuple[int, str], list[int]]:
+    if isinstance(schedule_spec, schedule.Schedule):
+        return _function_runs(schedule_spec, remat_mode, parsed)
     num_cells = 1 + max(p.cell for _, p in parsed)
     # T: the runs of a forward function, or, where micro-batches kept their activations (their
     # forwards run inline and name their micro-batch), the largest micro-batch named.
@@ -274,7 +281,13 @@ def _function_runs_of(parsed: list[tuple[OpEvent, op_names.ParsedName]], schedul
             forward_runs[e.name] = forward_runs.get(e.name, 0) + 1
     named = [p.micro_batch + 1 for _, p in parsed if p.micro_batch is not None]
     num_micro_batches = max(max(forward_runs.values(), default=1), max(named, default=1))
-    sched = schedule.make_schedule(schedule_name, num_cells, num_micro_batches, virtual_stages)
+    sched = schedule.make_schedule(schedule_spec, num_cells, num_micro_batches, virtual_stages)
+    return _function_runs(sched, remat_mode, parsed)
+
+
+def _function_runs(sched: schedule.Schedule, remat_mode: str,
+                   parsed: list[tuple[OpEvent, op_names.ParsedName]]
+                   ) -> dict[tuple[int, str], list[int]]:
     # Kept forwards ran inline if their body's ops name their micro-batch (not so on serial
     # devices, where they are calls).
     kept_inline = any(_INLINE_FORWARD.search(e.name) for e, _ in parsed)
@@ -303,16 +316,17 @@ def union_ns(intervals: Iterable[tuple[int, int]]) -> int:
     return sum(b - a for a, b in merge_intervals(intervals))
 
 
-def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
+def boxes_from_events(events: Sequence[OpEvent],
+                      schedule_spec: str | schedule.Schedule = "gpipe",
                       remat_mode: str = "except_last", virtual_stages: int = 1) -> list[Box]:
     """One Box per (cell, phase, micro-batch) that has ops, sorted by cell then start.
 
     Bookkeeping ops (variable reads, constants, identities) are left out: they take no time
-    and may run long before the action they belong to. `schedule_name` and `remat_mode` are
-    the profiled pipeline's (see `classify_events`).
+    and may run long before the action they belong to. `schedule_spec` (a name or a Schedule)
+    and `remat_mode` are the profiled pipeline's (see `classify_events`).
     """
     groups: dict[tuple[int, str, int], list[OpEvent]] = {}
-    for e, cell, phase, t in classify_events(events, schedule_name, remat_mode,
+    for e, cell, phase, t in classify_events(events, schedule_spec, remat_mode,
                                              virtual_stages):
         groups.setdefault((cell, phase, t), []).append(e)
     boxes = []
@@ -327,17 +341,38 @@ def boxes_from_events(events: Sequence[OpEvent], schedule_name: str = "gpipe",
 # The Figure 4 breakdown.
 
 
+def cell_devices_of(placement: schedule.Schedule | Sequence[int] | None,
+                    num_cells: int) -> tuple[int, ...]:
+    """Cell k's device for each of `num_cells` cells: a Schedule's `cell_devices`, a mapping
+    given as a sequence, or (None) one cell per device, cell k on device k.
+
+    >>> cell_devices_of(schedule.make_schedule("zbv", 4, 2), 4)
+    (0, 1, 1, 0)
+    """
+    if placement is None:
+        return tuple(range(num_cells))
+    devices = tuple(placement.cell_devices if isinstance(placement, schedule.Schedule)
+                    else placement)
+    if len(devices) != num_cells or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices):
+        raise ValueError(f"cell_devices={list(devices)} must give a device index >= 0 for "
+                         f"each of the {num_cells} cells.")
+    return devices
+
+
 def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None,
-                      virtual_stages: int = 1) -> Breakdown:
+                      cell_devices: schedule.Schedule | Sequence[int] | None = None
+                      ) -> Breakdown:
     """The breakdown (see `Breakdown`) of one step's op events, per device.
 
     Args:
       events: the ops of exactly one step (see `step_windows` / `events_in`); bookkeeping
         ops (BOOKKEEPING_OPS) bound the step but are not cell work.
-      num_cells: the cells the partition made; default: 1 + the largest cell index seen.
-      virtual_stages: cells per device (the interleaved schedule: device d runs cells d,
-        d + D, ... of D = num_cells / virtual_stages devices); a device is busy while an op
-        of any of its cells runs.
+      num_cells: the cells the partition made; default: `len(cell_devices)`, else 1 + the
+        largest cell index seen.
+      cell_devices: where each cell ran: the profiled pipeline's Schedule (its
+        `cell_devices`) or that mapping (`cell_devices[k]`: cell k's device); default: cell k
+        on device k. A device is busy while an op of any of its cells runs.
     """
     if not events:
         raise ValueError("compute_breakdown got no op events; profile at least one step.")
@@ -357,16 +392,19 @@ def compute_breakdown(events: Sequence[OpEvent], num_cells: int | None = None,
         raise ValueError("No op of the step is named after a pipeline cell (op_names): "
                          "was a PipeliningLayer's FPropAndGrads profiled?")
     if num_cells is None:
-        num_cells = max(per_cell) + 1
-    if virtual_stages < 1 or num_cells % virtual_stages:
-        raise ValueError(f"virtual_stages={virtual_stages} must divide num_cells={num_cells}.")
-    num_devices = num_cells // virtual_stages
+        num_cells = (len(cell_devices.cell_devices) if isinstance(cell_devices, schedule.Schedule)
+                     else len(cell_devices) if cell_devices is not None else max(per_cell) + 1)
+    if max(per_cell) >= num_cells:
+        raise ValueError(f"The trace has ops of cell {max(per_cell)}, but the pipeline has "
+                         f"{num_cells} cells.")
+    device_of = cell_devices_of(cell_devices, num_cells)
+    num_devices = 1 + max(device_of)
     per_device: dict[int, list[tuple[int, int]]] = {}
     recompute_per_device: dict[int, list[tuple[int, int]]] = {}
     for cell, intervals in per_cell.items():
-        per_device.setdefault(cell % num_devices, []).extend(intervals)
+        per_device.setdefault(device_of[cell], []).extend(intervals)
     for cell, intervals in recompute.items():
-        recompute_per_device.setdefault(cell % num_devices, []).extend(intervals)
+        recompute_per_device.setdefault(device_of[cell], []).extend(intervals)
     first = min(s for iv in per_cell.values() for s, _ in iv)
     last = max(e for iv in per_cell.values() for _, e in iv)
     pipe_ns = max(last - first, 1)

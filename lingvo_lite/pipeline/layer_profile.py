@@ -58,7 +58,7 @@ from absl import logging
 
 from lingvo_lite import base_layer, fprop_context, hyperparams
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import micro_batch, placement, tf_private
+from lingvo_lite.pipeline import placement, step_layout, tf_private
 
 __all__: list[str] = []
 
@@ -192,12 +192,13 @@ def _micro_batch_shapes(p: hyperparams.Params) -> Any:
         raise ValueError("partition_cost='measured' needs p.input_shapes with a known batch "
                          f"dimension (batch_dim={p.batch_dim}); set the full mini-batch shape.")
     batch = int(batched[0][p.batch_dim])
-    if batch % p.num_replicas:
+    try:
+        replica_batch = step_layout.replica_batch_size(batch, p.num_replicas)
+    except ValueError:
         raise ValueError(f"input_shapes' batch of {batch} does not split into "
-                         f"num_replicas={p.num_replicas} shards; make it a multiple of it.")
-    num_micro = micro_batch.resolve_num_micro_batches(
-        batch // p.num_replicas, p.num_micro_batches, p.micro_batch_size)
-    size = batch // p.num_replicas // num_micro
+                         f"num_replicas={p.num_replicas} shards; make it a multiple of "
+                         "it.") from None
+    size = replica_batch // step_layout.num_micro_batches(p, replica_batch)
 
     def shrink(leaf: Any) -> Any:
         if leaf is None:
@@ -216,16 +217,11 @@ def _micro_batch_shapes(p: hyperparams.Params) -> Any:
 
 def _num_micro_batches(p: hyperparams.Params) -> int:
     """T for `p.input_shapes`' mini-batch (1 when the batch size cannot be read)."""
-    shapes = p.input_shapes
-    leaves = shapes.Flatten() if isinstance(shapes, NestedMap) else [shapes]
-    for leaf in leaves:
-        shape = _as_shape(leaf) if leaf is not None else None
-        if shape is not None and shape.rank is not None and shape.rank > p.batch_dim \
-                and shape[p.batch_dim] is not None:
-            return micro_batch.resolve_num_micro_batches(
-                int(shape[p.batch_dim]) // p.num_replicas, p.num_micro_batches,
-                p.micro_batch_size)
-    return 1
+    batch = step_layout.global_batch_size(p)
+    if batch is None:
+        return 1
+    return step_layout.num_micro_batches(p, step_layout.replica_batch_size(batch,
+                                                                           p.num_replicas))
 
 
 def _as_shape(leaf: Any) -> tf.TensorShape:
@@ -319,8 +315,9 @@ def profile_device(p: hyperparams.Params) -> str | None:
     True
     """
     try:
-        devices = p.num_cells // max(1, p.virtual_stages)
-        return placement.resolve_mesh(p.placement, p.num_replicas, devices)[0][0]
+        sched = step_layout.placement_schedule(p)
+        mesh = placement.resolve_mesh(p.placement, p.num_replicas, sched.num_devices)
+        return mesh[0][sched.device_of_cell(0)]
     except (ValueError, RuntimeError, IndexError):
         return None
 

@@ -14,8 +14,7 @@ import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import simulator
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import micro_batch, partition, pipelining_layer
+from lingvo_lite.pipeline import partition, pipelining_layer, step_layout
 from lingvo_lite.training import model_config
 
 __all__: list[str] = []
@@ -96,7 +95,6 @@ def describe_pipeline(path: str, p: hyperparams.Params,
         lines += _table(header, rows, (True, False, False, False, True, True, True))
     profile = _measured_profile(p, lines) if p.partition_cost == "measured" else None
     ks = [p.num_cells] + [k for k in extra_num_cells if k != p.num_cells]
-    num_micro = _num_micro_batches(p)
     for k in ks:
         q = p.Copy()
         q.num_cells = k
@@ -107,21 +105,27 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines.append(f"K={k}: cannot partition: {e}")
             continue
         lines.append(part.report())
-        if profile is not None and num_micro is not None:
+        layout = _layout(q, part.num_cells)
+        if layout is None:
+            continue
+        # Each replica runs its shard of the mini-batch in T micro-batches; the layer costs
+        # are of the whole mini-batch, and only their ratios matter to the prediction.
+        num_micro = layout.num_micro_batches
+        if profile is not None:
             forward = [t.forward_s * num_micro for t in profile.layers]
             ratio = (sum(t.backward_s for t in profile.layers)
                      / max(sum(t.forward_s for t in profile.layers), 1e-12))
-            prediction = simulator.predict(part, forward, num_micro, p.schedule, p.remat,
-                                           backward_ratio=ratio,
-                                           virtual_stages=p.virtual_stages)
+            prediction = simulator.predict(part, forward, num_micro, layout.schedule, p.remat,
+                                           backward_ratio=ratio)
             lines += [f"Predicted step (schedule simulator; time = measured forward seconds, "
                       f"backward = {ratio:.2f} x forward, transfers free):",
                       "  " + prediction.summary()]
-        elif metas is not None and num_micro is not None:
+        elif metas is not None:
             prediction = simulator.predict(part, [m.flops for m in metas], num_micro,
-                                           p.schedule, p.remat, virtual_stages=p.virtual_stages)
+                                           layout.schedule, p.remat)
             lines += ["Predicted step (schedule simulator; time = forward FLOPs, backward = "
-                      "2 x forward, transfers free):", "  " + prediction.summary()]
+                      f"{simulator.BACKWARD_RATIO:g} x forward, transfers free):",
+                      "  " + prediction.summary()]
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
     return "\n".join(lines), counts
@@ -147,36 +151,38 @@ def _measured_profile(p: hyperparams.Params, lines: list[str]) -> Any:
     return profile
 
 
-def _num_micro_batches(p: hyperparams.Params) -> int | None:
-    """T of a PipeliningLayer's params, when it can be known without a batch."""
-    if p.micro_batch_size is None:
-        return p.num_micro_batches or 1
-    if p.input_shapes is None:
+def _layout(p: hyperparams.Params, num_cells: int) -> step_layout.StepLayout | None:
+    """The step layout of a PipeliningLayer's params for its `input_shapes` mini-batch (None
+    when the batch is unknown or does not split so)."""
+    batch = step_layout.global_batch_size(p)
+    if batch is None:
         return None
-    shapes = base_layer.to_shape(p.input_shapes)
-    leaf = shapes.Flatten()[0] if isinstance(shapes, NestedMap) else shapes
     try:
-        return micro_batch.resolve_num_micro_batches(
-            int(leaf[p.batch_dim]), p.num_micro_batches, p.micro_batch_size)
+        return step_layout.resolve(p, batch, num_cells)
     except (ValueError, TypeError):
         return None
 
 
 def _describe_mesh(p: hyperparams.Params) -> str:
-    """Which device holds which replica's cell, for a local placement (see resolve_mesh)."""
+    """Which device holds which replica's cell, for a local placement (see resolve_mesh): the
+    schedule places the cells (`cell_devices`)."""
     num_cells, num_replicas = p.num_cells, p.num_replicas
-    per_device = max(1, getattr(p, "virtual_stages", 1))
-    num_devices = num_cells // per_device
-    shape = (f"{num_cells} cells" if per_device == 1
-             else f"{num_devices} devices of {per_device} cells each (interleaved)")
+    try:
+        sched = step_layout.placement_schedule(p)
+    except ValueError as e:
+        return f"Mesh: {num_replicas} data-parallel replicas ({e})"
+    num_devices, cell_devices = sched.num_devices, sched.cell_devices
+    shape = (f"{num_cells} cells" if num_devices == num_cells
+             else f"{num_devices} devices of {num_cells // num_devices} cells each "
+             f"(schedule {sched.name})")
     lines = [f"Mesh: {num_replicas} data-parallel replicas x {shape} = "
              f"{num_replicas * num_devices} devices (placement={p.placement!r}); cell k's "
              "gradients are all-reduced over the replicas on the cells' devices."]
     explicit = None if isinstance(p.placement, str) else list(p.placement)
     for r in range(num_replicas):
         cells = ", ".join(
-            f"cell {k} -> " + (explicit[r * num_devices + k % num_devices] if explicit
-                               else f"device {r * num_devices + k % num_devices}")
+            f"cell {k} -> " + (explicit[r * num_devices + cell_devices[k]] if explicit
+                               else f"device {r * num_devices + cell_devices[k]}")
             for k in range(num_cells))
         lines.append(f"  replica {r}: {cells}")
     return "\n".join(lines)

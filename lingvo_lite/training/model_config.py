@@ -152,11 +152,19 @@ def iter_pipelining_params(p: Any, path: str = "") -> Iterator[tuple[str, hyperp
 
 
 def auto_num_logical_cpus(task_params: hyperparams.Params) -> int:
-    """The most devices any PipeliningLayer needs (num_replicas x devices per replica: num_cells,
-    or num_cells / virtual_stages when interleaved), at least 1."""
-    sizes = [pp.num_cells // max(1, getattr(pp, "virtual_stages", 1)) * pp.num_replicas
-             for _, pp in iter_pipelining_params(task_params)
-             if isinstance(pp.num_cells, int) and isinstance(pp.num_replicas, int)]
+    """The most devices any PipeliningLayer needs (num_replicas x the devices its schedule
+    places its cells on), at least 1."""
+    from lingvo_lite.pipeline import step_layout
+
+    sizes = []
+    for _, pp in iter_pipelining_params(task_params):
+        if not (isinstance(pp.num_cells, int) and isinstance(pp.num_replicas, int)):
+            continue
+        try:
+            devices = step_layout.placement_schedule(pp).num_devices
+        except ValueError:  # The pipeline reports its schedule error when it is built.
+            devices = pp.num_cells
+        sizes.append(devices * pp.num_replicas)
     return max([1, *sizes])
 
 

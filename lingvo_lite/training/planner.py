@@ -3,16 +3,18 @@
 For a PipeliningLayer's params, a number of devices N and a memory budget per device, it
 searches the devices per pipeline D (up to N and the number of layers), the data replicas R
 (R x D <= N, R dividing the mini-batch), the micro-batches T (divisors of the per-replica
-batch), the schedule (the interleaved one with v = 2, 3 or 4 cells per device: K = D x v
-cells; the others one cell per device, K = D) and the re-materialisation policy. Each
-candidate gets
+batch), the schedule and the re-materialisation policy. K cells run on the devices the
+schedule places them on (`Schedule.cell_devices`): one per device (gpipe, 1f1b, zero_bubble:
+D = K), v = 2, 3 or 4 per device (interleaved: D = K / v), two per device (zbv: D = K / 2).
+Each candidate gets
 
 * its peak memory per device from `memory_model.device_memory` (the layers' FPropMeta at the
   per-replica batch, the schedule's per-device orders and its simulated timeline below, the
   task's optimizer slots); candidates whose worst device exceeds the budget are dropped;
 * its step time from `simulator.simulate`: each cell's forward = its layers' FLOPs / the device
   throughput (`--plan_device_flops`, default `DEFAULT_DEVICE_FLOPS`) + a fixed per-action
-  overhead, backward = 2 x forward (+ the forward again when recomputed), a boundary crossing
+  overhead, backward = `simulator.BACKWARD_RATIO` (2) x forward (+ the forward again when
+  recomputed), a boundary crossing
   = its bytes / `DEFAULT_LINK_BYTES_PER_S`, and with R > 1 a ring all-reduce of the gradients
   of the device that holds the most.
 
@@ -43,16 +45,17 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import memory_model, simulator
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import partition, pipelining_layer
+from lingvo_lite.pipeline import partition, pipelining_layer, step_layout
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.training.options import UsageError
 from lingvo_lite.training.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
 
 # The schedules whose time and memory the models here describe.
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
-# Cells per device tried for the interleaved schedule (Megatron-LM's papers use 2 to 4; more
-# cells per device add boundary crossings and per-action overhead for a bubble already small).
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
+# Cells per device tried for a schedule that takes virtual stages (the interleaved one:
+# Megatron-LM's papers use 2 to 4; more cells per device add boundary crossings and
+# per-action overhead for a bubble already small).
 PLANNED_VIRTUAL_STAGES = (2, 3, 4)
 # Achieved (not peak) dense throughput of one accelerator when --plan_device_flops is not
 # given: 50 TFLOP/s, about a V100's or TPU v3 core's mixed-precision matmul rate in practice.
@@ -63,25 +66,36 @@ DEFAULT_LINK_BYTES_PER_S = 25e9
 # Fixed cost of every forward or backward action (kernel launches, a micro-batch's
 # bookkeeping); it is what makes very many tiny micro-batches lose.
 ACTION_OVERHEAD_S = 50e-6
-BACKWARD_RATIO = 2.0
+BACKWARD_RATIO = simulator.BACKWARD_RATIO
 MAX_MICRO_BATCHES = 512
 # When two remat policies recompute the same backwards, the plan is labelled with the first.
 _REMAT_PREFERENCE = ("never", "except_last", "always")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One candidate configuration with its predicted step and memory."""
+    """One candidate configuration with its predicted step and memory. Its schedule
+    (`step.schedule`) gives K, T and the devices of a replica."""
 
-    num_cells: int  # K: cells of one replica (K / virtual_stages devices).
     num_replicas: int
-    num_micro_batches: int
-    schedule: str
     remat: str
     global_batch: int
     step: simulator.SimulatedStep
     all_reduce_time: float
     memory: tuple[memory_model.DeviceMemory, ...]  # Per device of a replica.
-    virtual_stages: int = 1  # Cells per device (interleaved).
+    virtual_stages: int = 1  # The `virtual_stages` param the schedule was built with.
+
+    @property
+    def num_cells(self) -> int:
+        """K: cells of one replica."""
+        return self.step.schedule.num_cells
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.step.schedule.num_micro_batches
+
+    @property
+    def schedule(self) -> str:
+        return self.step.schedule.name
 
     @property
     def step_time(self) -> float:
@@ -97,11 +111,12 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        return self.num_cells // self.virtual_stages * self.num_replicas
+        """Devices of all replicas: R x the devices the schedule places the cells on."""
+        return self.step.schedule.num_devices * self.num_replicas
 
     @property
     def schedule_label(self) -> str:
-        """The schedule's name, with its cells per device when interleaved."""
+        """The schedule's name, with its virtual_stages when it takes more than 1."""
         if self.virtual_stages > 1:
             return f"{self.schedule} v={self.virtual_stages}"
         return self.schedule
@@ -174,18 +189,17 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
                    num_slots: int = 1,
                    virtual_stages: int | None = None) -> list[memory_model.DeviceMemory]:
     """The memory model of one configuration of PipeliningLayer params `p` (per device of a
-    replica; every replica's devices hold the same). `num_cells` counts cells; the interleaved
-    schedule puts `virtual_stages` (default: `p.virtual_stages`) on each device."""
+    replica; every replica's devices hold the same). `num_cells` counts cells; the schedule
+    places them (a schedule that takes virtual stages, the interleaved one, puts
+    `virtual_stages`, default `p.virtual_stages`, on each device)."""
     batch = global_batch_size(p)
     q = p.Copy()
     q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
     q.num_cells = num_cells
     metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
     part = pipelining_layer.PipeliningLayer.ComputePartition(q)
-    if schedule != "interleaved":
-        virtual_stages = 1
-    elif virtual_stages is None:
-        virtual_stages = p.virtual_stages
+    if virtual_stages is None:
+        virtual_stages = p.virtual_stages if _takes_virtual_stages(schedule) else 1
     sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches,
                                        virtual_stages)
     layers = memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size)
@@ -199,35 +213,63 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
 
 
 def global_batch_size(p: hyperparams.Params) -> int:
-    """The mini-batch size a PipeliningLayer's `input_shapes` describe."""
-    if p.input_shapes is None:
+    """The mini-batch size a PipeliningLayer's `input_shapes` describe (`step_layout`)."""
+    batch = step_layout.global_batch_size(p)
+    if batch is None:
         raise UsageError("--mode=plan needs the PipeliningLayer's input_shapes (the shape of "
                          "one mini-batch) to estimate costs; set <pipeline>.input_shapes.")
-    shapes = base_layer.to_shape(p.input_shapes)
-    leaf = shapes.Flatten()[0] if hasattr(shapes, "Flatten") else shapes
-    return int(leaf[p.batch_dim])
+    return batch
 
 
-def _candidates(names: Sequence[str], part: partition.Partition,
-                layers: list[memory_model.LayerMemory], input_bytes: int, k: int, v: int,
-                r: int, t: int, batch: int, costs: simulator.PhaseCosts, all_reduce: float,
-                remats: Sequence[str], num_slots: int,
+def _takes_virtual_stages(name: str) -> bool:
+    """Whether the schedule class `name` puts a chosen number of cells on each device."""
+    return hasattr(schedule_lib.schedule_classes().get(name), "virtual_stages")
+
+
+def _schedules_to_try(names: Sequence[str], k: int, t: int, num_replicas: int,
+                      max_devices: int) -> list[tuple[schedule_lib.Schedule, int]]:
+    """(schedule, its virtual_stages param) for K cells and T micro-batches: every name, a
+    schedule that takes virtual stages with v in PLANNED_VIRTUAL_STAGES; those a
+    schedule refuses (an odd K for zbv, a T that is not a multiple of the devices for the
+    interleaved one), that need more than `max_devices` over the replicas, or that run
+    several cells, or a split backward, on one device (no bubble to fill), are left out."""
+    out = []
+    for name in names:
+        # A schedule that takes virtual stages runs v > 1 of them per device (with one it
+        # runs one cell per device, as the others do).
+        for v in PLANNED_VIRTUAL_STAGES if _takes_virtual_stages(name) else (1,):
+            try:
+                sched = schedule_lib.make_schedule(name, k, t, v)
+            except ValueError:
+                continue
+            if sched.num_devices * num_replicas > max_devices:
+                continue
+            if sched.num_devices == 1 and (k > 1 or sched.splits_backward):
+                continue
+            out.append((sched, v))
+    return out
+
+
+def _candidates(scheds: Sequence[tuple[schedule_lib.Schedule, int]],
+                part: partition.Partition, layers: list[memory_model.LayerMemory],
+                input_bytes: int, r: int, batch: int, costs: simulator.PhaseCosts,
+                link_bytes_per_s: float, remats: Sequence[str], num_slots: int,
                 batched_weight_grads: bool) -> list[Plan]:
-    """The plans of every schedule in `names` and remat policy for one (K, v, R, T)."""
+    """The plans of every schedule in `scheds` and remat policy for one (K, R, T)."""
     plans = []
     seen_orders = set()
-    for name in names:
-        if name == "zero_bubble" and k == 1:
-            continue  # No bubble to fill: only the records' memory would change.
-        try:
-            sched = schedule_lib.make_schedule(name, k, t, v)
-        except ValueError:  # E.g. a T the schedule does not take.
-            continue
+    ranges = part.cell_layer_ranges
+    for sched, v in scheds:
         # Schedules (and below, remat policies) that do the same are tried once.
-        orders = sched.device_orders()
+        orders = (sched.cell_devices, sched.device_orders())
         if orders in seen_orders:
             continue
         seen_orders.add(orders)
+        # With R > 1, a ring all-reduce of the gradients of the device that holds the most.
+        grads = max(sum(m.trainable_bytes for c in sched.cells_of_device(d)
+                        for m in layers[slice(*ranges[c])])
+                    for d in range(sched.num_devices))
+        all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
         seen_remat = set()
         for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
             recomputed = remat_lib.recomputed_actions(sched, remat)
@@ -237,7 +279,7 @@ def _candidates(names: Sequence[str], part: partition.Partition,
             step = simulator.simulate(sched, costs, remat=remat)
             mem = _device_memory(part, layers, input_bytes, sched, remat, num_slots, r, step,
                                  batched_weight_grads)
-            plans.append(Plan(k, r, t, name, remat, batch, step, all_reduce, tuple(mem), v))
+            plans.append(Plan(r, remat, batch, step, all_reduce, tuple(mem), v))
     return plans
 
 
@@ -248,12 +290,12 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
            link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S) -> PlanSearch:
     """Every (K, R, T, schedule, remat) for `p` on `num_devices`, predicted and ranked.
 
-    K counts cells: the interleaved schedule puts v of them (`PLANNED_VIRTUAL_STAGES`) on each
-    of K / v devices.
+    K counts cells; each schedule places them on its devices (`_schedules_to_try`): the
+    interleaved one v (`PLANNED_VIRTUAL_STAGES`) on each of K / v devices, zbv two on each.
 
     Args:
       p: the PipeliningLayer params (its layers, input_shapes, partition method and dtype).
-      num_devices: N; plans use R x K / v <= N devices.
+      num_devices: N; plans use R x (the schedule's devices) <= N devices.
       budget: bytes of memory per device.
       device_flops: achieved FLOP/s of one device.
       num_slots: weight-sized optimizer slots per weight (`memory_model.optimizer_slots`).
@@ -274,35 +316,28 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
         layers = memory_model.layer_memory(metas, param_size)
         input_bytes = base_layer.activation_bytes(q.input_shapes)
         flops = [m.flops for m in metas]
-        for devices in range(1, min(num_devices // r, len(metas)) + 1):
-            for v in (1, *PLANNED_VIRTUAL_STAGES):
-                names = [n for n in schedules if (n == "interleaved") == (v > 1)]
-                # One device: nothing to interleave (and no bubble for zero-bubble to fill).
-                if not names or devices * v > len(metas) or (v > 1 and devices == 1):
+        # K cells; the schedule places them on its devices (at most num_devices / R).
+        for k in range(1, len(metas) + 1):
+            q.num_cells = k
+            try:
+                part = pipelining_layer.PipeliningLayer.ComputePartition(q, metas)
+            except ValueError:
+                continue
+            if part.num_cells != k:
+                continue
+            cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
+            boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
+            for t in _divisors(batch // r):
+                if t > MAX_MICRO_BATCHES:
+                    break
+                scheds = _schedules_to_try(schedules, k, t, r, num_devices)
+                if not scheds:
                     continue
-                k = devices * v
-                q.num_cells = k
-                try:
-                    part = pipelining_layer.PipeliningLayer.ComputePartition(q, metas)
-                except ValueError:
-                    continue
-                if part.num_cells != k:
-                    continue
-                cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
-                boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
-                grads = max(sum(m.trainable_bytes for c in range(d, k, devices)
-                                for m in layers[slice(*part.cell_layer_ranges[c])])
-                            for d in range(devices))
-                all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
-                for t in _divisors(batch // r):
-                    if t > MAX_MICRO_BATCHES:
-                        break
-                    costs = _phase_costs(cell_flops, boundary, t, device_flops,
-                                         link_bytes_per_s)
-                    for plan in _candidates(names, part, layers, input_bytes, k, v, r, t,
-                                            batch, costs, all_reduce, remats, num_slots,
-                                            p.weight_gradients == "batched"):
-                        (fitting if plan.peak_bytes <= budget else too_big).append(plan)
+                costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
+                for plan in _candidates(scheds, part, layers, input_bytes, r, batch, costs,
+                                        link_bytes_per_s, remats, num_slots,
+                                        p.weight_gradients == "batched"):
+                    (fitting if plan.peak_bytes <= budget else too_big).append(plan)
 
     def rank(plans: list[Plan]) -> tuple[Plan, ...]:
         return tuple(sorted(plans, key=lambda x: (-x.examples_per_s, x.peak_bytes,
@@ -384,9 +419,10 @@ def format_report(result: PlanSearch, model: str, path: str, base_override: str 
              f"{format_bytes(result.budget)} each, {result.device_flops / 1e12:g} TFLOP/s "
              f"per device: {len(result.fitting)} fit, {len(result.too_big)} do not.",
              "Time: schedule simulator (forward = FLOPs / device FLOP/s + "
-             f"{ACTION_OVERHEAD_S * 1e6:g} us, backward = 2 x forward, recompute = 1 forward, "
+             f"{ACTION_OVERHEAD_S * 1e6:g} us, backward = {BACKWARD_RATIO:g} x forward, "
+             "recompute = 1 forward, "
              f"links {DEFAULT_LINK_BYTES_PER_S / 1e9:g} GB/s); memory: "
-             "lingvo_lite/pipeline/memory_model.py.", ""]
+             "lingvo_lite/analysis/memory_model.py.", ""]
     if not result.fitting:
         smallest = min(result.too_big, key=lambda x: x.peak_bytes, default=None)
         lines.append("No plan fits." + (
@@ -395,7 +431,7 @@ def format_report(result: PlanSearch, model: str, path: str, base_override: str 
             if smallest else ""))
         return "\n".join(lines) + "\n"
     lines += ["Top plans that fit, fastest first (K cells per replica, one per device; "
-              "interleaved v: v per device, K / v devices):", _HEADER]
+              "interleaved v: v per device, K / v devices; zbv: two per device):", _HEADER]
     shown = result.fitting[:top]
     lines += [_row(i + 1, x, result.budget) for i, x in enumerate(shown)]
     best = result.fitting[0]

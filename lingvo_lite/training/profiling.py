@@ -36,12 +36,17 @@ PROFILE_SUBDIR = "train"
 
 @dataclasses.dataclass(frozen=True)
 class PipelineDescription:
-    """The run's facts the charts and suggestions name (None: read from the profiled boxes)."""
+    """The run's facts the charts and suggestions name (None: read from the profiled boxes).
+
+    `schedule` and `virtual_stages` are the pipeline's params (a schedule name or a Schedule
+    object); `schedule_for` builds the step's schedule from them, which places the cells on
+    devices for every chart and breakdown.
+    """
 
     model: str = ""
     num_cells: int | None = None
     num_micro_batches: int | None = None
-    schedule: str = "gpipe"
+    schedule: Any = "gpipe"
     remat: str = "except_last"
     partition_cost: str = "flops"
     virtual_stages: int = 1
@@ -49,17 +54,37 @@ class PipelineDescription:
 
     @classmethod
     def from_task_params(cls, model: str, task_params: Any) -> PipelineDescription:
-        """From the first PipeliningLayer in `task_params` (defaults when there is none)."""
+        """From the first PipeliningLayer in `task_params` (defaults when there is none); T
+        from its input_shapes' mini-batch as the pipeline resolves it (`step_layout`)."""
+        from lingvo_lite.pipeline import step_layout
         from lingvo_lite.training import model_config
 
         for _, pp in model_config.iter_pipelining_params(task_params):
             num_micro_batches = pp.num_micro_batches
+            batch = step_layout.global_batch_size(pp)
+            if batch is not None:
+                try:
+                    num_micro_batches = step_layout.num_micro_batches(
+                        pp, step_layout.replica_batch_size(batch, pp.num_replicas))
+                except ValueError:
+                    pass
             return cls(model=model, num_cells=pp.num_cells,
                        num_micro_batches=num_micro_batches if isinstance(
                            num_micro_batches, int) else None,
                        schedule=pp.schedule, remat=pp.remat, partition_cost=pp.partition_cost,
                        virtual_stages=pp.virtual_stages, serial_devices=pp.serial_devices)
         return cls(model=model)
+
+    def schedule_for(self, num_cells: int, num_micro_batches: int) -> Any:
+        """The profiled step's Schedule for `num_cells` cells and T (None when the
+        description's schedule cannot be built so)."""
+        from lingvo_lite.pipeline import schedule
+
+        try:
+            return schedule.schedule_for(self.schedule, num_cells, num_micro_batches,
+                                         self.virtual_stages)
+        except ValueError:
+            return None
 
 
 class StepProfiler:
@@ -155,8 +180,9 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
         if not boxes:
             continue
         num_cells = description.num_cells or 1 + max(b.cell for b in boxes)
-        last_breakdown = trace_analysis.compute_breakdown(step_events, num_cells,
-                                                          description.virtual_stages)
+        sched = description.schedule_for(num_cells, _num_micro_batches(description, boxes))
+        last_breakdown = trace_analysis.compute_breakdown(
+            step_events, num_cells, cell_devices=sched.cell_devices if sched else None)
         steps.append({"step": step, **last_breakdown.as_scalars(prefix="")})
         last_boxes = boxes
     if not steps:
@@ -169,6 +195,11 @@ def analyse(trace_dir: str, description: PipelineDescription | None = None) -> d
     with open(path, "w") as f:
         json.dump({"steps": steps, "mean": mean}, f, indent=1)
     return result
+
+
+def _num_micro_batches(description: PipelineDescription, boxes: list) -> int:
+    """T: the description's, else the largest micro-batch the boxes name, plus 1."""
+    return description.num_micro_batches or 1 + max(b.micro_batch for b in boxes)
 
 
 @dataclasses.dataclass
@@ -194,21 +225,20 @@ def build_report(result: dict, description: PipelineDescription) -> Report:
 
     boxes, breakdown = result["boxes"], result["breakdown"]
     num_cells = description.num_cells or result["num_cells"]
-    num_micro_batches = description.num_micro_batches or 1 + max(b.micro_batch for b in boxes)
-    info = gantt.StepInfo(model=description.model or "pipeline", num_cells=num_cells,
-                          num_micro_batches=num_micro_batches, schedule=description.schedule,
-                          remat=description.remat, step_ms=breakdown.step_ns / 1e6,
-                          virtual_stages=description.virtual_stages)
-    config = breakdown_advice.PipelineConfig(
-        num_cells=num_cells, num_micro_batches=num_micro_batches, remat=description.remat,
-        partition_cost=description.partition_cost,
-        partition_costs=pipelining_layer.PARTITION_COSTS,
-        virtual_stages=description.virtual_stages)
+    num_micro_batches = _num_micro_batches(description, boxes)
+    model, step_ms = description.model or "pipeline", breakdown.step_ns / 1e6
+    sched = description.schedule_for(num_cells, num_micro_batches)
     predicted = []
-    if description.schedule in schedule.SCHEDULES:
-        sched = schedule.make_schedule(description.schedule, num_cells, num_micro_batches,
-                                       description.virtual_stages)
+    if sched is not None:  # The schedule places the cells: rows, tracks and devices.
+        info = gantt.StepInfo.of(model, sched, description.remat, step_ms)
         predicted = ideal_timeline.predict_from_measured(sched, boxes)
+    else:
+        info = gantt.StepInfo(model, num_cells, num_micro_batches, str(description.schedule),
+                              description.remat, step_ms)
+    config = breakdown_advice.PipelineConfig(
+        sched or schedule.make_schedule("gpipe", num_cells, num_micro_batches),
+        remat=description.remat, partition_cost=description.partition_cost,
+        partition_costs=pipelining_layer.PARTITION_COSTS)
     tips = breakdown_advice.advice(breakdown, config)
     return Report(info=info, config=config, predicted=predicted,
                   markdown=breakdown_advice.markdown(
@@ -224,7 +254,7 @@ def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
     return chrome_trace.write_trace(
         os.path.join(trace_dir, f"pipeline_trace_{step}.json"), result["boxes"], step,
         predicted=report.predicted, title=one_line(report.info.title()),
-        num_devices=(report.info.num_devices if report.info.virtual_stages > 1 else None))
+        cell_devices=report.info.devices)
 
 
 def write_summaries(writers, subdir: str, step: int, result: dict, report: Report) -> None:
