@@ -311,6 +311,7 @@ class Trainer:
             return _replicated_train_step(strategy, task, batch)
 
         self._train_step = compile_step(train_step)
+        self._print("Tracing the train step (builds the step's graph once)...")
         # Trace now, so model errors surface during setup and the run starts with a ready step.
         # The first batch (not the element spec) gives the shapes: a pipeline needs a static
         # batch size, which a spec lacks when the input may yield a smaller last batch.
@@ -337,6 +338,8 @@ class Trainer:
             raise ValueError("The task params have no train input (p.input is None); a model's "
                              "Model() attaches Train() as p.input.")
         check_train_params(task_params.train)
+        # Setup takes seconds to minutes (graph size grows with layers x cells): say what runs.
+        print("Building the model and its input...", file=out, flush=True)
         input_generator = task_params.input.Instantiate()
         dataset = input_generator.dataset()
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
@@ -473,6 +476,9 @@ class Trainer:
                 self._print(f"The train input ran out of data at step {step}; set its "
                             "repeat=True to train for max_steps.")
                 break
+            if first:
+                self._print(f"Running step {step + 1}, the first (TensorFlow optimises the "
+                            "graph on its first call)...")
             if self.profiler is not None:
                 with self.profiler.step(step + 1, writers):
                     metrics = self._train_step(batch)

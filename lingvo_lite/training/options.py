@@ -228,3 +228,42 @@ def parse_profile_steps(value: str | None) -> tuple[int, int] | None:
             f"--profile_steps={value!r} must be 'N,M' with 1 <= N <= M (global steps, "
             "inclusive), e.g. --profile_steps=5,7.")
     return steps[0], steps[1]
+
+
+def _runnable_path(path: str) -> str:
+    """`path` as a command to type in the current directory: relative when below it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith(os.pardir) else path
+
+
+def python_command() -> str:
+    """This interpreter as the start of a command line that runs as printed.
+
+    `.venv/bin/python` when the trainer runs from a fresh clone's venv (no activation needed),
+    the absolute path when the interpreter lives outside the current directory.
+    """
+    import sys
+
+    return _runnable_path(sys.executable) if sys.executable else "python3"
+
+
+def tensorboard_command() -> str:
+    """The `tensorboard` installed beside this interpreter (e.g. `.venv/bin/tensorboard`).
+
+    Falls back to plain `tensorboard` (on PATH) when none is installed there.
+    """
+    import sys
+
+    candidate = os.path.join(os.path.dirname(sys.executable or ""), "tensorboard")
+    if sys.executable and os.access(candidate, os.X_OK):
+        return _runnable_path(candidate)
+    return "tensorboard"
+
+
+def default_run_logdir(model: str) -> str:
+    """A fresh logdir for a command the trainer prints (e.g. --mode=plan's chosen plan)."""
+    name = "".join(c if c.isalnum() else "_" for c in model.rsplit(".", 1)[-1])
+    return f"/tmp/lingvo_lite_{name}"

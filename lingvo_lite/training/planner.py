@@ -373,7 +373,10 @@ def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> st
     if plan.virtual_stages > 1:
         settings.append(f"{path}.virtual_stages : {plan.virtual_stages}")
     override = "; ".join(x for x in settings if x)
-    return (f"python trainer.py --model={model} --num_cells={plan.num_cells} "
+    from lingvo_lite.training import options
+
+    return (f"{options.python_command()} trainer.py --model={model} "
+            f"--logdir={options.default_run_logdir(model)} --num_cells={plan.num_cells} "
             f"--num_replicas={plan.num_replicas} --num_micro_batches={plan.num_micro_batches} "
             f"--model_params_override=\"{override}\"")
 

@@ -32,6 +32,7 @@ from lingvo_lite.training.options import (
     TrainingError,
     UsageError,
     parse_profile_steps,
+    tensorboard_command,
 )
 
 if TYPE_CHECKING:
@@ -172,6 +173,7 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
     if options.mode == "inspect_model":
         from lingvo_lite.training import analysis
 
+        _check_batch_splits(config, "inspect_model")
         if model_config.uses_measured_costs(config.task_params):
             _prepare_layer_timing(options, config)
         return _printer(analysis.describe_model(
@@ -181,11 +183,32 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
     if options.mode == "plan":
         from lingvo_lite.training import planner
 
+        print(f"Searching plans for {config.name} on {options.plan_devices} device(s): cells, "
+              "replicas, micro-batches, schedule and remat, each simulated (this can take a "
+              "minute)...", file=out, flush=True)
         return _printer(planner.plan_text(
             config.name, config.task_params, options.plan_devices,
             planner.parse_size(options.plan_memory_per_device), options.plan_device_flops,
             options.model_params_override), out)
     return _prepare_run(options, config, out, err)
+
+
+def _check_batch_splits(config: model_config.ModelConfig, mode: str) -> None:
+    """UsageError (one line) when a pipeline's mini-batch does not split as configured.
+
+    E.g. num_micro_batches not dividing the batch: inspect_model would otherwise leave out the
+    prediction without a word, check_equivalence fail with a traceback around the message.
+    """
+    from lingvo_lite.pipeline import step_layout
+
+    for path, p in model_config.iter_pipelining_params(config.task_params):
+        batch = step_layout.global_batch_size(p)
+        if batch is None:
+            continue
+        try:
+            step_layout.resolve(p, batch)
+        except ValueError as e:
+            raise UsageError(f"--mode={mode}: PipeliningLayer '{path}': {_message(e)}") from None
 
 
 def _prepare_layer_timing(options: RunOptions, config: model_config.ModelConfig) -> None:
@@ -209,6 +232,7 @@ def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelCo
         raise UsageError(
             f"--mode=check_equivalence: model {config.name} has no PipeliningLayer, so there is "
             "no pipeline to compare with the unpipelined model.")
+    _check_batch_splits(config, "check_equivalence")
     from lingvo_lite import devices
 
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
@@ -229,7 +253,15 @@ def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelCo
           file=out, flush=True)
 
     def job() -> int:
-        report = equivalence.check_equivalence(task, batch, tolerance=tolerance)
+        print("Running one train batch through the pipelined step and through the unpipelined "
+              "reference (each is traced first; this can take a minute)...", file=out,
+              flush=True)
+        try:
+            report = equivalence.check_equivalence(task, batch, tolerance=tolerance)
+        except ValueError as e:  # The configuration does not fit this batch: the user's to fix.
+            print(f"trainer.py: error: --mode=check_equivalence: {_message(e)}", file=err,
+                  flush=True)
+            return 1
         out.write(report.format())
         out.flush()
         if report.passed:
@@ -282,7 +314,8 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     logdir = options.abs_logdir
     model_config.set_layer_profile_paths(config.task_params, logdir)
     print(f"Model {config.name}, mode {options.mode}, {num_cpus} logical CPU device(s).\n"
-          f"Logdir: {logdir}\nWatch it with: tensorboard --logdir {logdir}", file=out, flush=True)
+          f"Logdir: {logdir}\nWatch it with: {tensorboard_command()} --logdir {logdir}",
+          file=out, flush=True)
 
     if options.mode == "eval":
         return _prepare_eval(config, logdir, eval_splits, out, err)
@@ -354,8 +387,8 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
     logdir = options.abs_logdir
     model_config.set_layer_profile_paths(config.task_params, logdir)
     print(f"Model {config.name}, mode train, TPUStrategy of {num_replicas} replica(s) x "
-          f"{num_cells} core(s).\nLogdir: {logdir}\nWatch it with: tensorboard --logdir "
-          f"{logdir}", file=out, flush=True)
+          f"{num_cells} core(s).\nLogdir: {logdir}\nWatch it with: {tensorboard_command()} "
+          f"--logdir {logdir}", file=out, flush=True)
     return _locked(logdir, err, lambda: _prepare_train(options, config, logdir, {}, out, err,
                                                        strategy=strategy))
 
@@ -499,9 +532,18 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         _check_profilable(task_params)
     if latest is not None and checkpointer.checkpoint_step(latest) >= max_steps:
         step = checkpointer.checkpoint_step(latest)
-        return _printer(
-            f"Already at global step {step} >= max_steps={max_steps} ({latest}): nothing to "
-            "train. Raise --max_steps to train further.", out)
+        done = (f"Already at global step {step} >= max_steps={max_steps} ({latest}): nothing "
+                "to train. Raise --max_steps to train further.")
+        if not (options.mode == "train_and_eval" and eval_splits):
+            return _printer(done, out)
+        # Training is complete: train_and_eval re-evaluates the final checkpoint.
+        evaluate = _prepare_eval(config, logdir, eval_splits, out, err)
+
+        def done_and_eval() -> int:
+            print(done, file=out, flush=True)
+            return evaluate()
+
+        return done_and_eval
     eval_spec = None
     if options.mode in TRAIN_MODES and eval_splits:
         eval_spec = loop.EvalSpec(eval_splits, task_params.eval.max_eval_batches)
