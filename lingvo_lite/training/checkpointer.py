@@ -344,9 +344,14 @@ class Checkpointer:
         for prefix in good:
             files = [f for f in (prefix + INDEX_SUFFIX, manifest_path(prefix)) if os.path.exists(f)]
             times.append(min((os.path.getmtime(f) for f in files), default=time.time()))
-        tf.compat.v1.train.update_checkpoint_state(
-            self.directory, good[-1], all_model_checkpoint_paths=good,
-            all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1.0)
+        # TensorFlow marks this function deprecated (for CheckpointManager users) and would
+        # print a 3-line warning on every resume; rewriting the manager's state is the point.
+        from tensorflow.python.util import deprecation
+
+        with deprecation.silence():
+            tf.compat.v1.train.update_checkpoint_state(
+                self.directory, good[-1], all_model_checkpoint_paths=good,
+                all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1.0)
 
     def restore_latest(self) -> str | None:
         """Restores the newest usable checkpoint, if any; returns its path.
