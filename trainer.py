@@ -216,6 +216,8 @@ def main(argv: list[str]) -> None:
     except options_lib.UsageError as e:
         print(f"trainer.py: error: {e}", file=sys.stderr)
         sys.exit(1)
+    if opts.mode in options_lib.TRAIN_MODES and os.environ.get("TF_CONFIG", "").strip():
+        _claim_cluster_address()
     absl_logging.get_absl_logger().addFilter(_DropCheckpointTimings())
     if not _TF_LOGS.value:
         # TensorFlow's Python INFO/WARNING lines (a 20-line "default session config" dump in
@@ -233,6 +235,22 @@ def main(argv: list[str]) -> None:
     model_registry.add_model_package(MODEL_PACKAGE)
 
     _exit_promptly(runner.main(opts))
+
+
+def _claim_cluster_address() -> None:
+    """A task of a multi-process run: checks TF_CONFIG, claims this task's port and starts its
+    heartbeats before TensorFlow loads (a taken port, a second process with the same task
+    index, or another process's different TF_CONFIG then cost a second, not a hang)."""
+    from lingvo_lite.training import cluster
+
+    try:
+        config = cluster.from_environment()
+        if config is not None:
+            cluster.open_channel(config)
+    except options_lib.UsageError as e:
+        print(f"trainer.py: error: {e}", file=sys.stderr, flush=True)
+        cluster.announce_failure(str(e))  # The other tasks end too instead of waiting.
+        _exit_promptly(1)
 
 
 def _exit_promptly(status: int) -> None:

@@ -96,15 +96,22 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
         return status
 
 
+def _setup_failed(message: str, err: TextIO) -> int:
+    """Prints a setup error; in a task of a cluster, tells the other tasks (bounded)."""
+    print(f"trainer.py: error: {message}", file=err, flush=True)
+    from lingvo_lite.training import cluster
+
+    cluster.announce_failure(message)
+    return 1
+
+
 def _main(options: RunOptions, out: TextIO, err: TextIO) -> int:
     try:
         job = prepare(options, out, err)
     except USER_ERRORS as e:
-        print(f"trainer.py: error: {_message(e)}", file=err, flush=True)
-        return 1
+        return _setup_failed(_message(e), err)
     except OSError as e:  # The environment (permissions, a full disk), not a bug.
-        print(f"trainer.py: error: {_os_error_message(e)}", file=err, flush=True)
-        return 1
+        return _setup_failed(_os_error_message(e), err)
     except KeyboardInterrupt as e:
         return _interrupted(e, " during setup", err)
     try:
@@ -324,8 +331,20 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
 
         return decoding.prepare_decode(config, logdir, eval_splits, out, err)
     if cluster is not None:
-        return _locked(logdir, err, lambda: _prepare_chief(cluster, options, config, logdir,
-                                                           eval_splits, out, err))
+        locked_job = _locked(
+            logdir, err, lambda: _prepare_chief(cluster, options, config, logdir, eval_splits,
+                                                out, err),
+            on_acquired=lambda lock: cluster_lib.before_exit(lock.release))
+
+        def chief_main() -> int:
+            status = locked_job()  # Releases the lock, also after SIGINT/SIGTERM.
+            # TensorFlow's gRPC server cannot be stopped and keeps the interpreter from exiting.
+            out.flush()
+            err.flush()
+            cluster_lib.exit_now(f"Chief: done (exit status {status}).", status=status)
+            return status
+
+        return chief_main
     return _locked(logdir, err, lambda: _prepare_train(options, config, logdir, eval_splits,
                                                        out, err))
 
@@ -471,10 +490,6 @@ def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfi
                       cluster.addresses[task] if task is not None else "unknown address")
         finally:
             watchdog.stop()
-        # TensorFlow's gRPC server cannot be stopped and keeps the interpreter from exiting.
-        out.flush()
-        err.flush()
-        cluster_lib.exit_now(f"Chief: done (exit status {status}).", status=status)
         return status
 
     return chief_job
@@ -488,11 +503,13 @@ def _finished(logdir: str, max_steps: int) -> bool:
     return latest is not None and checkpointer.checkpoint_step(latest) >= max_steps
 
 
-def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
+def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job],
+            on_acquired: Callable[[object], None] | None = None) -> Job:
     """Takes the logdir lock, runs `prepare_job`; the returned job releases the lock at its end.
 
     The lock is also released when setup fails or is interrupted (and a logdir it created is
-    removed if empty).
+    removed if empty). `on_acquired(lock)` runs once the lock is taken (a cluster's chief
+    registers its release for the exits that skip `finally`).
     """
     from lingvo_lite.training import logdir_lock
 
@@ -500,6 +517,8 @@ def _locked(logdir: str, err: TextIO, prepare_job: Callable[[], Job]) -> Job:
     # process and leave the lock behind); the training loop itself stops at a step boundary.
     lock = logdir_lock.LogdirLock(logdir)
     lock.acquire(note=lambda msg: print(f"trainer.py: note: {msg}", file=err, flush=True))
+    if on_acquired is not None:
+        on_acquired(lock)
     try:
         job = prepare_job()
     except BaseException:
