@@ -158,6 +158,12 @@ class BaseTask(base_layer.BaseLayer):
         out, grads = self.ComputeLossAndGrads(thetas[0], input_batch)
         return out, [grads]
 
+    def TokenCounts(self, input_batch: NestedMap) -> tuple[Any, Any] | None:
+        """(positions, real positions) of a batch of sequences, for the trainer's tokens/s and
+        padding summaries; None (the default) for a task whose examples are not sequences."""
+        del input_batch
+        return None
+
     def TrainStep(self, input_batch: NestedMap) -> NestedMap:
         """One optimizer step on a mini-batch: forward, backward, update, side updates.
 

@@ -16,6 +16,7 @@ from tasks.mt import input_generator, model
 
 __all__ = [
     "TransformerSmall",
+    "TransformerSmallBuckets",
     "TransformerT12_16384_32",
     "TransformerT24_8192_16",
     "TransformerT32_16384_32",
@@ -66,6 +67,29 @@ class TransformerSmall(model_registry.SplitInputModelParams):
                 warmup_steps=100, total_steps=self.MAX_STEPS, final_factor=0.05),
             clip_gradient_norm_to_value=1.0, max_steps=self.MAX_STEPS, save_interval_steps=500,
             summary_interval_steps=20, log_interval_steps=100, eval_interval_steps=500)
+        return p
+
+
+@model_registry.register
+class TransformerSmallBuckets(TransformerSmall):
+    """TransformerSmall on length-bucketed batches: each pair padded to the first of 4 lengths
+    that holds it, with about 1,150 positions per batch whatever the bucket."""
+
+    BUCKET_LENGTHS = (8, 12, 16, 18)
+    BUCKET_BATCH_SIZES = (144, 96, 72, 64)
+
+    def split_input(self, split: str) -> hyperparams.Params:
+        p = super().split_input(split)
+        if split == "train":
+            p.Set(bucket_lengths=list(self.BUCKET_LENGTHS),
+                  bucket_batch_sizes=list(self.BUCKET_BATCH_SIZES))
+        return p
+
+    def Task(self) -> hyperparams.InstantiableParams:
+        p = super().Task()
+        shapes = input_generator.bucket_shapes(self.BUCKET_LENGTHS, self.BUCKET_BATCH_SIZES)
+        # Memory is planned for the longest bucket; each bucket is traced once.
+        p.network.Set(input_buckets=shapes, input_shapes=shapes[-1])
         return p
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
-from pipeline_test import ATOL, RTOL, _drop, _field, _proj
+from pipeline_test import ATOL, RTOL, _drop, _proj
 
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import composite, losses, structural

@@ -196,6 +196,14 @@ class EvalSpec:
     max_batches: int = 0
 
 
+def _declared_batch_shapes(task_params: hyperparams.Params) -> int:
+    """How many training batch shapes the task's pipelines declare (1 without buckets)."""
+    from lingvo_lite.training import model_config
+
+    return max([len(pp.input_buckets or ()) for _, pp in
+                model_config.iter_pipelining_params(task_params)] + [1])
+
+
 class _Rate:
     """Steps and examples per second between two report points."""
 
@@ -206,6 +214,8 @@ class _Rate:
         self._time = time.perf_counter()
         self._step = step
         self._examples = 0
+        self._positions = 0.0
+        self._real_tokens = 0.0
 
     def has_steps(self, step: int) -> bool:
         return step > self._step
@@ -213,11 +223,26 @@ class _Rate:
     def add_examples(self, n: int) -> None:
         self._examples += n
 
+    def add_tokens(self, positions: float, real: float) -> None:
+        self._positions += positions
+        self._real_tokens += real
+
+    def token_rates(self) -> dict[str, float]:
+        """Tokens/s (padding included and not) and the padding share since the last
+        `measure`; empty for a task without tokens. Call before `measure`."""
+        if not self._positions:
+            return {}
+        elapsed = max(time.perf_counter() - self._time, 1e-9)
+        return {"tokens_per_sec": self._positions / elapsed,
+                "real_tokens_per_sec": self._real_tokens / elapsed,
+                "padding_fraction": 1.0 - self._real_tokens / self._positions}
+
     def measure(self, step: int) -> tuple[float, float]:
         now = time.perf_counter()
         elapsed = max(now - self._time, 1e-9)
         rates = ((step - self._step) / elapsed, self._examples / elapsed)
         self._time, self._step, self._examples = now, step, 0
+        self._positions = self._real_tokens = 0.0
         return rates
 
 
@@ -298,11 +323,13 @@ class Trainer:
                                  else tf.Variable(0, dtype=tf.int64, trainable=False))
         self.trace_count = 0
         self.profiler = None  # A profiling.StepProfiler, set by the runner for --profile_steps.
-        self._warned_trace_count = 1
+        # A pipeline with input_buckets traces its step once per bucket.
+        self._warned_trace_count = _declared_batch_shapes(task.params)
         self._pending_batch: NestedMap | None = first_batch
         self._input_generator: Any = None  # Explains data errors mid-run (set by `build`).
         self._signals: interrupts.StopSignals | None = None  # Set while `run` trains.
         self._eval_step = compile_step(task.EvalStep)
+        self._evaluated = False
 
         def train_step(batch: NestedMap) -> NestedMap:
             self.trace_count += 1  # Runs only while tracing.
@@ -486,6 +513,10 @@ class Trainer:
                 metrics = self._train_step(batch)
             step += 1
             rate.add_examples(_batch_size(batch, self._strategy))
+            if self._strategy is None:
+                tokens = self.task.TokenCounts(batch)
+                if tokens is not None:
+                    rate.add_tokens(float(tokens[0]), float(tokens[1]))
             streak = self._check_finite(metrics, step, streak)
             if first:
                 # The first call also optimises the graph: keep it out of the rates.
@@ -500,6 +531,7 @@ class Trainer:
                 values = _numpy_metrics(metrics)
                 values["skipped_updates"] = float(self._skipped_updates.numpy())
                 if rate.has_steps(step):
+                    values.update(rate.token_rates())
                     steps_per_sec, examples_per_sec = rate.measure(step)
                     values.update(steps_per_sec=steps_per_sec,
                                   examples_per_sec=examples_per_sec)
@@ -590,13 +622,15 @@ class Trainer:
             self._warned_trace_count = self.trace_count
             self._print(
                 f"WARNING: the train step was traced {self.trace_count} times; each retrace "
-                "rebuilds the graph. Make every batch the same shape (drop_remainder=True).")
+                "rebuilds the graph. Make every batch the same shape (drop_remainder=True), or "
+                "declare the shapes as the pipeline's input_buckets.")
 
     def _progress(self, step: int, max_steps: int, values: dict[str, float],
                   steps_per_sec: float) -> None:
         eta = (max_steps - step) / steps_per_sec if steps_per_sec > 0 else float("nan")
         extras = "  ".join(f"{k} {values[k]:.4g}" for k in sorted(values)
                            if k not in ("loss", "steps_per_sec", "examples_per_sec",
+                                        "tokens_per_sec", "real_tokens_per_sec",
                                         "learning_rate", "var_norm", "update_skipped",
                                         "skipped_updates"))
         self._print(f"step {step}/{max_steps}  loss {values['loss']:.4f}  {extras}  "
@@ -614,6 +648,10 @@ class Trainer:
         """Evaluates every split of the eval spec on the current weights and records it."""
         results = {}
         signals = self._signals
+        if not self._evaluated:  # The first evaluation also traces the eval step: seconds.
+            self._evaluated = True
+            self._print(f"Evaluating on {', '.join(self._eval_spec.splits)} at step {step} "
+                        "(the first evaluation also traces the eval step)...")
         for split, params in self._eval_spec.splits.items():
             try:
                 # A stop signal abandons the evaluation: a preemption's grace period is short.

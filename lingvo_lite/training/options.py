@@ -157,7 +157,10 @@ class RunOptions:
                              "device's memory, e.g. --plan_memory_per_device=16GiB.")
         from lingvo_lite.training import sizes
 
-        sizes.parse_size(self.plan_memory_per_device)
+        try:
+            sizes.parse_size(self.plan_memory_per_device)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         flops = self.plan_device_flops
         if flops is not None and (isinstance(flops, bool) or not isinstance(flops, (int, float))
                                   or not flops > 0):

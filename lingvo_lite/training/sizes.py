@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 
-from lingvo_lite.training.options import UsageError
-
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -20,14 +18,15 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_size(text: str, flag: str = "plan_memory_per_device") -> int:
     """Bytes from '16GiB', '512MiB', '8GB', '1.5GiB' or a plain number of bytes.
 
-    Raises UsageError naming `--<flag>` for anything else.
+    Raises a ValueError naming `--<flag>` for anything else (`RunOptions.validate` reports it
+    as a UsageError).
     """
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise UsageError(f"--{flag}={text!r} is not a size; write e.g. 16GiB, 512MiB or 8GB.")
+        raise ValueError(f"--{flag}={text!r} is not a size; write e.g. 16GiB, 512MiB or 8GB.")
     value = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
     if value < 1:
-        raise UsageError(f"--{flag}={text!r} must be at least 1 byte, e.g. 16GiB.")
+        raise ValueError(f"--{flag}={text!r} must be at least 1 byte, e.g. 16GiB.")
     return int(value)
 
 

@@ -84,6 +84,13 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
     def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
         return NestedMap({k: input_batch[k] for k in NETWORK_FIELDS})
 
+    def TokenCounts(self, input_batch: NestedMap) -> tuple[Any, Any]:
+        """Source and target positions of the batch, and those that are not padding."""
+        positions = tf.size(input_batch.src_paddings) + tf.size(input_batch.tgt_paddings)
+        padding = (tf.reduce_sum(input_batch.src_paddings)
+                   + tf.reduce_sum(input_batch.tgt_paddings))
+        return positions, tf.cast(positions, tf.float32) - padding
+
     # -- decoding ------------------------------------------------------------
 
     def _run(self, i: int, fn: Any, *args: Any) -> Any:
