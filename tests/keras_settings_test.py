@@ -5,6 +5,10 @@ weights: one step's loss and gradients from Keras' own `compute_loss` under a ta
 weights after a few plain `fit` steps (SGD and Adam). The pipeline runs K=2 cells and
 T=4 micro-batches (T=2 where the micro-batches must differ in their masked counts).
 Refusals are checked to be one-line ValueErrors raised before any step runs.
+
+Tolerances: float32 rows 2e-5 (measured differences were 1.2e-7 or less: sums in another
+order); mixed_float16 5e-4 and mixed_bfloat16 1e-2 (measured up to 8.6e-5 and 2.0e-3: one
+rounding of the half-precision activations summed per micro-batch).
 """
 
 from __future__ import annotations
@@ -188,26 +192,31 @@ class SettingsTest(tf.test.TestCase):
 
     def test_mixed_precision_policies(self):
         x, y, w = _data()
+
+        def layers():  # Dropout draws its mask in the compute dtype, as in Keras.
+            return [keras.layers.Dense(8, activation="tanh"), keras.layers.Dropout(0.3, seed=3),
+                    keras.layers.Dense(CLASSES)]
+
         try:
             keras.mixed_precision.set_global_policy("mixed_float16")
-            plain, pipelined = _pair(_dense_stack)
+            plain, pipelined = _pair(layers)
             self.assertEqual(pipelined.plain.layers[0].compute_dtype, "float16")
             for model in (plain, pipelined):
                 model.compile(optimizer="sgd", loss=_sparse_xent())
             # Both wrap the optimizer in a LossScaleOptimizer; the step's gradients are
             # taken on the scaled loss and unscaled.
             self.assertIsInstance(pipelined.optimizer, keras.optimizers.LossScaleOptimizer)
-            self.assert_same_step(plain, pipelined, x, y, w, tol=2e-3)
-            self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()), tol=2e-3,
+            self.assert_same_step(plain, pipelined, x, y, w, tol=5e-4)
+            self.assert_same_fit(layers, dict(loss=_sparse_xent()), tol=5e-4,
                                  optimizers=("sgd",))
             keras.mixed_precision.set_global_policy("mixed_bfloat16")
-            plain, pipelined = _pair(_dense_stack)
+            plain, pipelined = _pair(layers)
             for model in (plain, pipelined):
                 model.compile(optimizer="sgd", loss=_sparse_xent())
             predictions = pipelined.predict(x, verbose=0)
             self.assertEqual(predictions.dtype, np.dtype(tf.bfloat16.as_numpy_dtype))
-            self.assert_same_step(plain, pipelined, x, y, w, tol=2e-2)
-            self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent()), tol=2e-2,
+            self.assert_same_step(plain, pipelined, x, y, w, tol=1e-2)
+            self.assert_same_fit(layers, dict(loss=_sparse_xent()), tol=1e-2,
                                  optimizers=("adam",))
         finally:
             keras.mixed_precision.set_global_policy("float32")
