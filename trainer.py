@@ -1,11 +1,12 @@
 """Trains, evaluates and inspects registered models.
 
-    python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=train
-    tensorboard --logdir /tmp/amoeba
-    python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=eval
-    python trainer.py --mode=list_models
-    python trainer.py --model=image.AmoebaNetDigits --mode=inspect_model --inspect_num_cells=2,4
-    python trainer.py --model=image.AmoebaNetDigits --mode=plan --plan_devices=8 \\
+    .venv/bin/python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=train
+    .venv/bin/tensorboard --logdir /tmp/amoeba
+    .venv/bin/python trainer.py --model=image.AmoebaNetDigits --logdir=/tmp/amoeba --mode=eval
+    .venv/bin/python trainer.py --mode=list_models
+    .venv/bin/python trainer.py --model=image.AmoebaNetDigits --mode=inspect_model \\
+        --inspect_num_cells=2,4
+    .venv/bin/python trainer.py --model=image.AmoebaNetDigits --mode=plan --plan_devices=8 \\
         --plan_memory_per_device=16GiB
 
 Each invocation is `lingvo_lite.training.main(RunOptions(...))` after this file declares where
@@ -81,6 +82,9 @@ TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 # Where this repository's registered models live (`--model=image.AmoebaNetDigits` is
 # `AmoebaNetDigits` in model_params/image.py).
 MODEL_PACKAGE = "model_params"
+
+# Modes that report progress (the others print one report): they say so while TensorFlow loads.
+_SLOW_START_MODES = ("train", "train_and_eval", "eval", "decode", "check_equivalence")
 
 _MODEL = flags.DEFINE_string("model", None, "Registered model name or module.path.ClassName.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Directory of checkpoints and summaries.")
@@ -225,6 +229,9 @@ def main(argv: list[str]) -> None:
         logging.getLogger("tensorflow").setLevel(logging.ERROR)
         absl_logging.get_absl_handler().addFilter(_OnlyProjectLogs())
     interrupts.maybe_signal_self("start")
+    if opts.mode in _SLOW_START_MODES:
+        # Loading TensorFlow and the model takes 3 s on an idle machine, 20 s on a busy one.
+        print(f"Starting --mode={opts.mode}: loading TensorFlow and {opts.model}...", flush=True)
     if not _TF_LOGS.value and TF_LOG_LEVEL_ENV not in os.environ:
         os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
         _import_tensorflow_quietly()

@@ -153,6 +153,8 @@ class ClusterFaultsTest(unittest.TestCase):
         self.assertEqual(1, len(chief.errors()), msg=chief.output[-3000:])
         self.assertIn("lost task 1", chief.errors()[0])
         self.assertNotIn("Traceback", chief.output)
+        # Only the project's lines: no TensorFlow session-config dump (shown with --tf_logs).
+        self.assertNotIn("default session config", chief.output + worker.output)
         self.assertFalse(os.path.exists(lock), "the chief left its lock")
         worker.stop()
 
