@@ -301,6 +301,20 @@ class SettingsTest(tf.test.TestCase):
             "optimizer Adam with the trainable Embedding 'embedding.*' would train differently",
             lambda: pipelined.compile(optimizer="adam", loss=_sparse_xent()))
 
+        def recurrent():  # LSTMs skip the masked steps.
+            return [keras.layers.Embedding(vocab, 4, mask_zero=True),
+                    keras.layers.LSTM(5, return_sequences=True), keras.layers.LSTM(5),
+                    keras.layers.Dense(CLASSES)]
+
+        plain, pipelined = _pair(recurrent, input_shape=(length,))
+        for model in (plain, pipelined):
+            model.compile(optimizer="sgd", loss=_sparse_xent())
+        self.assert_same_step(plain, pipelined, tokens, y)
+        self.assert_one_line_refusal(
+            "'lstm_cell' \\(LSTMCell\\) draws random numbers \\(dropout=0.2, "
+            "recurrent_dropout=0.0\\).*set both to 0",
+            lambda: PipelinedModel([keras.layers.LSTM(5, dropout=0.2)], input_shape=(3, D)))
+
         def per_token():  # The loss itself is masked: Keras divides by the unmasked count.
             return [keras.layers.Embedding(vocab, 4, mask_zero=True),
                     keras.layers.Dense(CLASSES)]

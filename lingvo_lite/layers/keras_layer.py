@@ -163,7 +163,14 @@ def check_supported(layer: keras.layers.Layer) -> None:
                 f"Keras layer {name} is stateful (it carries state from one batch to the "
                 "next), which micro-batching cannot reproduce; set stateful=False.")
         own_seeds = [g for g in getattr(sub, "_seed_generators", [])]
-        if own_seeds and not isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
+        if own_seeds and not isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES) and \
+                _may_draw(sub):
+            if hasattr(sub, "recurrent_dropout"):
+                raise ValueError(
+                    f"Keras layer {name} draws random numbers (dropout={sub.dropout}, "
+                    f"recurrent_dropout={sub.recurrent_dropout}), which lingvo-lite cannot "
+                    "make the same for every micro-batch split and recomputation; set both "
+                    "to 0 (a Dropout layer before or after it is supported).")
             raise ValueError(
                 f"Keras layer {name} draws random numbers, and lingvo-lite can only make "
                 "Dropout, SpatialDropout*, GaussianNoise and GaussianDropout draw the same "
@@ -202,6 +209,17 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any,
     for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
         if value is not old and id(v) not in handled:
             raise ValueError(_state_error(layer, v.path))
+
+
+def _may_draw(layer: keras.layers.Layer) -> bool:
+    """Whether a layer that owns a seed generator may draw with it in a call.
+
+    Keras' recurrent cells (LSTMCell, GRUCell, SimpleRNNCell) always own one but draw only
+    with dropout or recurrent_dropout > 0; should one draw anyway, its seed state changes
+    and `check_call_state` / FProp refuse it.
+    """
+    rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
+    return any(rate is None or rate > 0 for rate in rates)
 
 
 def _seed_state(layer: keras.layers.Layer) -> Any:
