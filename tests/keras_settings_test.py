@@ -22,6 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite.keras import PipelinedModel, pipeline_params
+from lingvo_lite.layers.keras_loss import KerasLossLayer, serialize_loss
+from lingvo_lite.nested_map import NestedMap
 
 N, D, CLASSES = 8, 5, 3
 TOL = 2e-5
@@ -330,6 +332,42 @@ class SettingsTest(tf.test.TestCase):
                 self.assert_same_step(plain, pipelined, tokens, labels, token_weights)
         self.assert_same_fit(per_token, dict(loss=_sparse_xent()), data=(tokens, labels, None),
                              input_shape=(length,), num_micro_batches=2, optimizers=("sgd",))
+
+
+class KerasLossLayerTest(tf.test.TestCase):
+
+    def test_micro_batches_combine_to_keras_loss_and_masked_accuracy(self):
+        rng = np.random.default_rng(4)
+        logits = tf.constant(rng.normal(size=(4, 5, CLASSES)), tf.float32)
+        labels = tf.constant(rng.integers(0, CLASSES, size=(4, 5)), tf.int32)
+        mask = tf.constant(rng.uniform(size=(4, 5)) > 0.4)
+        weights = tf.constant(rng.uniform(0.5, 2.0, size=(4, 5)), tf.float32)
+        for reduction in ("sum_over_batch_size", "mean_with_sample_weight", "sum"):
+            for sample_weight in (None, weights):
+                layer = KerasLossLayer.Params().Set(
+                    name="loss", loss=serialize_loss(_sparse_xent(reduction=reduction)),
+                    sparse_accuracy=True).Instantiate()
+                halves = []
+                for part in (slice(0, 2), slice(2, 4)):
+                    inputs = NestedMap(x=logits[part], x_mask=mask[part], y=labels[part],
+                                       num_micro_batches=tf.constant(2.0))
+                    if sample_weight is not None:
+                        inputs.sample_weight = sample_weight[part]
+                    halves.append(layer.FProp(layer.theta, inputs))
+                # The pipeline's combination: mean over micro-batches, weighted by
+                # loss_weight when the layer returns one.
+                w = [h.get("loss_weight", tf.constant(1.0)) for h in halves]
+                combined = (w[0] * halves[0].loss + w[1] * halves[1].loss) / (w[0] + w[1])
+                masked = tf.identity(logits)
+                masked._keras_mask = mask
+                expected = _sparse_xent(reduction=reduction)(labels, masked, sample_weight)
+                with self.subTest(reduction=reduction, weighted=sample_weight is not None):
+                    self.assertAllClose(expected, combined, rtol=1e-6, atol=1e-6)
+                    correct = np.argmax(logits, -1) == labels.numpy()
+                    accuracy = (w[0] * halves[0].accuracy + w[1] * halves[1].accuracy) / (
+                        w[0] + w[1])
+                    if "loss_weight" in halves[0] and sample_weight is None:
+                        self.assertAllClose(correct[mask.numpy()].mean(), accuracy)
 
 
 @keras.saving.register_keras_serializable(package="keras_settings_test")

@@ -140,7 +140,8 @@ class KerasLossLayer(base_layer.BaseLayer):
                  "A float that multiplies the loss (compile's loss_weights), or None.")
         p.Define("sparse_accuracy", False,
                  "Also return `accuracy`: the share of examples whose largest prediction is "
-                 "the label y (integer class ids), e.g. for trainer.py's eval summaries.")
+                 "the label y (integer class ids; masked positions excluded), e.g. for "
+                 "trainer.py's eval summaries.")
         return p
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
@@ -190,8 +191,14 @@ class KerasLossLayer(base_layer.BaseLayer):
             out.loss_weight = weight
         if self.params.sparse_accuracy:
             predicted = tf.argmax(x, axis=-1, output_type=tf.int32)
-            correct = tf.equal(predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted)))
-            out.accuracy = tf.reduce_mean(tf.cast(correct, tf.float32))
+            correct = tf.cast(tf.equal(
+                predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted))), tf.float32)
+            if mask is None:
+                out.accuracy = tf.reduce_mean(correct)
+            else:  # Over the unmasked positions; micro-batches weigh by their count.
+                valid = tf.cast(tf.reshape(mask, tf.shape(correct)), tf.float32)
+                out.accuracy = tf.math.divide_no_nan(tf.reduce_sum(correct * valid),
+                                                     tf.reduce_sum(valid))
         return out
 
     @classmethod
