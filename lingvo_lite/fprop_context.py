@@ -21,14 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
 
 from lingvo_lite import colocation
 
-__all__ = ["current", "fprop_context", "FPropContext", "UpdateCollector"]
+__all__ = ["applying_side_updates", "current", "fprop_context", "FPropContext",
+           "UpdateCollector"]
 
 
 class UpdateCollector:
@@ -90,3 +91,19 @@ def fprop_context(**overrides: Any) -> Iterator[FPropContext]:
         yield ctx
     finally:
         stack.pop()
+
+
+def applying_side_updates(step: Callable[[], Any]) -> Any:
+    """Runs `step`; if the caller collects no side updates, pools and applies them here.
+
+    With an `UpdateCollector` in the current fprop_context the caller applies the updates
+    (BaseTask.TrainStep does, for the steps it applies); without one they would be silently
+    lost, so they are applied once `step` is built.
+    """
+    if current().updates is not None:
+        return step()
+    collector = UpdateCollector()
+    with fprop_context(updates=collector):
+        result = step()
+    collector.apply()
+    return result

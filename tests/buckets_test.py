@@ -119,7 +119,7 @@ class BucketsTest(tf.test.TestCase, parameterized.TestCase):
         p = _pipeline().params
         self.assertIsNone(p.input_shapes)
         self.assertEqual(buckets.describe(buckets.normalize(declared)[2]),
-                         buckets.describe(pipelining_layer.planning_shapes(p)))
+                         buckets.describe(buckets.planning_shapes(p)))
         with self.assertRaisesRegex(ValueError, r"input_buckets\[1\] has an unknown dimension"):
             _pipeline().params.Copy().Set(
                 input_buckets=[_bucket_shapes(4, 4), NestedMap(x=[4, None, DIM])]).Instantiate()

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from lingvo_lite.nested_map import NestedMap
 
-__all__ = ["describe", "largest", "matching", "normalize", "shapes_of"]
+__all__ = ["describe", "largest", "matching", "normalize", "planning_shapes", "shapes_of"]
 
 
 def _to_shapes(shapes: Any) -> Any:
@@ -98,3 +98,11 @@ def describe(shapes: Any) -> str:
     if isinstance(shapes, dict):
         return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in shapes.items()) + "}"
     return str(tf.TensorShape(shapes).as_list())
+
+
+def planning_shapes(p: Any) -> Any:
+    """The mini-batch shape a PipeliningLayer's costs and memory are planned for:
+    `p.input_shapes`, else the largest of `p.input_buckets`, else None."""
+    if p.input_shapes is not None or not p.input_buckets:
+        return p.input_shapes
+    return largest(normalize(p.input_buckets))

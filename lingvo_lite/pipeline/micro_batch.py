@@ -135,3 +135,70 @@ def merge(outputs: list[Any], batch_dim: int = 0, weights: list[Any] | None = No
         else:
             merged.append(merge_leaf(*leaves))
     return outputs[0].Pack(merged)
+
+
+def check_tensor_leaves(value: Any, where: str) -> None:
+    """A cell boundary carries tensors (or None): anything else is a one-line ValueError."""
+    items = value.FlattenItems() if isinstance(value, NestedMap) else [("", value)]
+    for path, leaf in items:
+        if leaf is not None and not tf.is_tensor(leaf):
+            name = f" leaf '{path}'" if path else ""
+            raise ValueError(
+                f"{where}{name} is a {type(leaf).__name__}, not a tensor; values crossing a "
+                "pipeline cell boundary must be tensors (or None): convert it with "
+                "tf.convert_to_tensor or keep it out of the boundary NestedMap.")
+
+
+def weight_key(output: Any) -> str | None:
+    """Which of `WEIGHT_KEYS` the last cell's output holds, or None."""
+    if not isinstance(output, NestedMap):
+        return None
+    return next((key for key in WEIGHT_KEYS if key in output and output[key] is not None), None)
+
+
+def micro_batch_weight(output: Any) -> tf.Tensor | None:
+    """The last cell's `loss_weight` (else `num_examples`) output as float32, or None.
+
+    These two names are reserved: a non-scalar one is a ValueError; that they are >= 0 is
+    checked at run time by `total_weight`.
+    """
+    key = weight_key(output)
+    if key is None:
+        return None
+    w = output[key]
+    if w.shape.rank != 0:
+        raise ValueError(
+            f"The last cell's output '{key}' has shape {w.shape}, but '{key}' is "
+            "reserved for a scalar micro-batch weight (PipeliningLayer weighs each "
+            "micro-batch's scalars by it); return a scalar count or rename the output.")
+    return tf.cast(w, tf.float32)
+
+
+def total_weight(outputs: list[Any], weights: list[tf.Tensor]) -> tf.Tensor:
+    """sum(weights) (at least 1e-8), once a run-time check found every weight >= 0.
+
+    One check for all micro-batches: everything the weights feed (the merged scalars, the
+    gradients' division) depends on the total, so a negative weight fails the step.
+    """
+    stacked = tf.stack(weights)
+    check = tf.debugging.assert_non_negative(
+        stacked, message=f"The last cell's micro-batch weight '{weight_key(outputs[0])}' "
+                         "must be >= 0")
+    with tf.control_dependencies([check] if check is not None else []):
+        return tf.maximum(tf.reduce_sum(stacked), 1e-8)
+
+
+def loss_weights(outputs: list[Any], weights: list[Any] | None = None,
+                 total: Any = None) -> list[Any] | None:
+    """Micro-batch weights from a scalar `loss_weight` or `num_examples` output.
+
+    With padded examples or tokens, micro-batches weigh differently; the mini-batch loss is
+    then the weighted mean of the micro-batch means.
+    """
+    if weights is None:
+        weights = [micro_batch_weight(o) for o in outputs]
+    if len(outputs) == 1 or weights[0] is None:
+        return None
+    if total is None:
+        total = total_weight(outputs, weights)
+    return [w / total for w in weights]

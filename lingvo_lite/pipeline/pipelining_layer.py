@@ -25,7 +25,7 @@ inter-op thread pool.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ContextManager
 
 import tensorflow as tf
@@ -48,39 +48,11 @@ from lingvo_lite.pipeline import (
 )
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 
-__all__ = ["PARTITION_COSTS", "PipeliningLayer", "planning_shapes"]
+__all__ = ["PARTITION_COSTS", "PipeliningLayer"]
 
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
 WEIGHT_GRADIENTS = ("per_micro_batch", "batched")
-
-
-def _check_tensor_leaves(value: Any, where: str) -> None:
-    """A cell boundary carries tensors (or None): anything else is a one-line ValueError."""
-    items = value.FlattenItems() if isinstance(value, NestedMap) else [("", value)]
-    for path, leaf in items:
-        if leaf is not None and not tf.is_tensor(leaf):
-            name = f" leaf '{path}'" if path else ""
-            raise ValueError(
-                f"{where}{name} is a {type(leaf).__name__}, not a tensor; values crossing a "
-                "pipeline cell boundary must be tensors (or None): convert it with "
-                "tf.convert_to_tensor or keep it out of the boundary NestedMap.")
-
-
-def _applying_side_updates(step: Callable[[], Any]) -> Any:
-    """Runs `step`; if the caller collects no side updates, pools and applies them here.
-
-    With an `UpdateCollector` in the current fprop_context the caller applies the
-    updates (BaseTask.TrainStep does, for the steps it applies); without one they
-    would be silently lost, so they are applied once `step` is built.
-    """
-    if fprop_context.current().updates is not None:
-        return step()
-    collector = fprop_context.UpdateCollector()
-    with fprop_context.fprop_context(updates=collector):
-        result = step()
-    collector.apply()
-    return result
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -325,7 +297,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         Raises a ValueError naming the layer (and its cell boundary) whose input
         does not fit the previous layer's output.
         """
-        shapes = planning_shapes(p)
+        shapes = buckets.planning_shapes(p)
         if shapes is None:
             raise ValueError(
                 "PipeliningLayer needs p.input_shapes (the shape of one mini-batch) to "
@@ -343,7 +315,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         same layers into many cell counts).
         """
         names = [lp.name or f"{lp.cls.__name__}_{i}" for i, lp in enumerate(p.layers)]
-        if p.partition_method in ("uniform", "explicit") and planning_shapes(p) is None:
+        if p.partition_method in ("uniform", "explicit") and buckets.planning_shapes(p) is None:
             costs = [1.0] * len(p.layers)
             cost_name = "layers"
         else:
@@ -519,12 +491,12 @@ class PipeliningLayer(base_layer.BaseLayer):
                 f"Cell {k} returns a tuple; a pipeline boundary carries one value. Return a "
                 "NestedMap to carry several tensors between cells."
             )
-        _check_tensor_leaves(out, f"The output of cell {k}")
+        micro_batch.check_tensor_leaves(out, f"The output of cell {k}")
         return out
 
     def _split(self, inputs: Any) -> tuple[list[Any], int, int]:
         p = self.params
-        _check_tensor_leaves(inputs, "The pipeline input")
+        micro_batch.check_tensor_leaves(inputs, "The pipeline input")
         batch_size = micro_batch.batch_size_of(inputs, p.batch_dim)
         num_micro = self.num_micro_batches_for(batch_size)
         return micro_batch.split(inputs, num_micro, p.batch_dim), num_micro, batch_size // num_micro
@@ -535,23 +507,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         with fprop_context.fprop_context(batch_dim=self.params.batch_dim):
             ordered = self._executor(0).forward(self.make_schedule(num_micro),
                                                 self._cell_thetas(theta), xs, micro_size)
-        return micro_batch.merge(ordered, self.params.batch_dim, self._loss_weights(ordered))
-
-    @classmethod
-    def _loss_weights(cls, outputs: list[Any], weights: list[Any] | None = None,
-                      total: Any = None) -> list[Any] | None:
-        """Micro-batch weights from a scalar `loss_weight` or `num_examples` output.
-
-        With padded examples or tokens, micro-batches weigh differently; the
-        mini-batch loss is then the weighted mean of the micro-batch means.
-        """
-        if weights is None:
-            weights = [cls._micro_batch_weight(o) for o in outputs]
-        if len(outputs) == 1 or weights[0] is None:
-            return None
-        if total is None:
-            total = cls._total_weight(outputs, weights)
-        return [w / total for w in weights]
+        return micro_batch.merge(ordered, self.params.batch_dim, micro_batch.loss_weights(ordered))
 
     def FPropAndGrads(
         self, theta: NestedMap, inputs: Any, *, return_input_grads: bool = False
@@ -607,7 +563,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             raise ValueError(
                 "FPropAndGrads trains: call it inside fprop_context.fprop_context("
                 "training=True, ...); for evaluation use FProp.")
-        result = _applying_side_updates(
+        result = fprop_context.applying_side_updates(
             lambda: self._FPropAndGrads(theta, split, return_input_grads))
         return result if return_input_grads else result[:2]
 
@@ -624,7 +580,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             # used here and the total divides the sums at the end, so no backward has to
             # wait for every micro-batch's forward.
             self._check_loss_output(y)
-            weight = weight_of.setdefault(id(y), self._micro_batch_weight(y))
+            weight = weight_of.setdefault(id(y), micro_batch.micro_batch_weight(y))
             upstream = y.Transform(lambda v: None)
             upstream.loss = tf.cast(1.0 / num_micro if weight is None else weight, y.loss.dtype)
             return upstream
@@ -638,7 +594,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         ordered = result.outputs
         grads = self._theta_grads(theta, result.grad_sums)
         weights = [weight_of[id(o)] for o in ordered]
-        total = None if weights[0] is None else self._total_weight(ordered, weights)
+        total = None if weights[0] is None else micro_batch.total_weight(ordered, weights)
         if total is not None:
             # Each gradient is divided on its cell's device: an op without a device would be
             # placed on the default one, and every cell's weight gradients would cross to it
@@ -649,7 +605,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                     with self._cell_scope(cell_of_leaf[i], replica):
                         grads[i] = g / tf.cast(total, g.dtype)
         merged = micro_batch.merge(ordered, self.params.batch_dim,
-                                   self._loss_weights(ordered, weights, total))
+                                   micro_batch.loss_weights(ordered, weights, total))
         dinputs = None
         if return_input_grads:
             dinputs = pack(xs[0], self._merge_input_grads(xs[0], result.input_grads, total))
@@ -705,7 +661,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                 f"multiple of {self.num_replicas}.")
         shard_size = batch_size // self.num_replicas
         # Side updates of every replica pool into one collector, applied once.
-        return _applying_side_updates(
+        return fprop_context.applying_side_updates(
             lambda: self._replica_steps(thetas, inputs, shard_size))
 
     def _replica_steps(self, thetas: list[NestedMap], inputs: Any,
@@ -729,10 +685,10 @@ class PipeliningLayer(base_layer.BaseLayer):
             grads.append(g)
         if self.num_replicas == 1:
             return outputs[0], grads
-        weights = [self._micro_batch_weight(o) for o in outputs]
+        weights = [micro_batch.micro_batch_weight(o) for o in outputs]
         if weights[0] is None:
             weights = [tf.constant(1.0)] * self.num_replicas
-        return (micro_batch.merge(outputs, p.batch_dim, self._loss_weights(outputs)),
+        return (micro_batch.merge(outputs, p.batch_dim, micro_batch.loss_weights(outputs)),
                 self._all_reduce_grads(grads, weights))
 
     def _strategy_replica_step(self, theta: NestedMap, inputs: Any,
@@ -751,7 +707,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                   + context.replica_id_in_sync_group * batch_size)
         with fprop_context.fprop_context(example_offset=offset):
             out, grads = self.FPropAndGrads(theta, inputs)
-        weight = self._micro_batch_weight(out)
+        weight = micro_batch.micro_batch_weight(out)
         weight = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
         flat = grads.Flatten()
         cell_of_leaf = self._cell_of_theta_leaves()
@@ -817,45 +773,6 @@ class PipeliningLayer(base_layer.BaseLayer):
         return [self._partition.cell_of_layer(i)
                 for i, layer_vars in enumerate(self.vars.layers) for _ in layer_vars.Flatten()]
 
-    @staticmethod
-    def _micro_batch_weight(output: Any) -> tf.Tensor | None:
-        """The last cell's `loss_weight` (else `num_examples`) output as float32, or None.
-
-        These two names are reserved (see the class docstring): a non-scalar one is a
-        ValueError; that they are >= 0 is checked at run time by `_total_weight`.
-        """
-        key = PipeliningLayer._weight_key(output)
-        if key is None:
-            return None
-        w = output[key]
-        if w.shape.rank != 0:
-            raise ValueError(
-                f"The last cell's output '{key}' has shape {w.shape}, but '{key}' is "
-                "reserved for a scalar micro-batch weight (PipeliningLayer weighs each "
-                "micro-batch's scalars by it); return a scalar count or rename the output.")
-        return tf.cast(w, tf.float32)
-
-    @staticmethod
-    def _weight_key(output: Any) -> str | None:
-        if not isinstance(output, NestedMap):
-            return None
-        return next((key for key in micro_batch.WEIGHT_KEYS
-                     if key in output and output[key] is not None), None)
-
-    @staticmethod
-    def _total_weight(outputs: list[Any], weights: list[tf.Tensor]) -> tf.Tensor:
-        """sum(weights) (at least 1e-8), once a run-time check found every weight >= 0.
-
-        One check for all micro-batches: everything the weights feed (the merged scalars,
-        the gradients' division) depends on the total, so a negative weight fails the step.
-        """
-        stacked = tf.stack(weights)
-        check = tf.debugging.assert_non_negative(
-            stacked, message=f"The last cell's micro-batch weight "
-                             f"'{PipeliningLayer._weight_key(outputs[0])}' must be >= 0")
-        with tf.control_dependencies([check] if check is not None else []):
-            return tf.maximum(tf.reduce_sum(stacked), 1e-8)
-
     def _theta_grads(self, theta: NestedMap, grad_sums: list[list[Any]]) -> list[Any]:
         """The cells' summed gradients as a list in `theta.Flatten()` order (None: not trained)."""
         grads: list[Any] = []
@@ -873,11 +790,3 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "FPropAndGrads needs the last layer to return a NestedMap with a scalar 'loss' "
                 "(the mean loss of its micro-batch); end p.layers with a loss layer."
             )
-
-
-def planning_shapes(p: hyperparams.Params) -> Any:
-    """The mini-batch shape costs and memory are planned for: `p.input_shapes`, else the
-    largest of `p.input_buckets`, else None."""
-    if p.input_shapes is not None or not p.input_buckets:
-        return p.input_shapes
-    return buckets.largest(buckets.normalize(p.input_buckets))
