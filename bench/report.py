@@ -624,6 +624,9 @@ DOCS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "benchmarks")
 
 
+TARGET_PREFIX = "Target: "
+
+
 def _slug(title: str) -> str:
     words = re.sub(r"\(.*?\)", "", title.split(". ", 1)[-1]).lower()
     return "_".join(re.findall(r"[a-z0-9]+", words)[:6])
@@ -662,13 +665,21 @@ def write_reports(text: str, root: str) -> None:
     for name, body in files.items():
         with open(os.path.join(DOCS_DIR, name), "w") as f:
             f.write("\n".join(body).strip() + "\n")
-    links = []
+    links, headlines = [], []
     for name in sorted(os.listdir(DOCS_DIR)):
         if not name.endswith(".md") or name == "README.md":
             continue
         with open(os.path.join(DOCS_DIR, name)) as f:
-            title = f.readline().lstrip("# ").strip()
+            lines = f.read().splitlines()
+        title = lines[0].lstrip("# ").strip()
         links.append(f"- [{title}](docs/benchmarks/{name})")
+        number = title.split(".")[0]
+        # A figure recorded by its own script states its targets as 'Target: what | measured |
+        # verdict' lines; they join the headline table.
+        headlines += [f"| {number}. {line[len(TARGET_PREFIX):].strip()} |" for line in lines
+                      if line.startswith(TARGET_PREFIX) and line.count(" | ") == 2]
+    targets = targets[:-1] + headlines + targets[-1:] if targets and not targets[-1] else \
+        targets + headlines
     screen = ["# Benchmarks", "",
               "Ratios measured side by side in one run on a 2-core CPU machine with logical "
               "devices standing in for accelerators; how, when and on what: "
