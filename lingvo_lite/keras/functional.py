@@ -131,35 +131,38 @@ def functional_pipeline_params(model: keras.Model, num_cells: int = 1,
         name=name, layers=layers, num_cells=num_cells, input_shapes=shapes, **pipeline)
 
 
-def cut_report(pipeline: pipelining_layer.PipeliningLayer, micro_batch_size: int) -> str:
+def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
+               micro_batch_size: int) -> str:
     """The tensors each cut carries (one micro-batch of `micro_batch_size` examples)."""
     ranges = pipeline.partition.cell_layer_ranges
-    live: dict[str, tuple[list[int], str]] = {}
-    lines = [f"Tensors crossing each cut (bytes per micro-batch of {micro_batch_size}):"]
+    live: dict[str, tuple[Any, ...]] = {k: plan.specs[k] for k in plan.input_keys}
+    lines = [f"Tensors crossing each cut (bytes per micro-batch of {micro_batch_size}; the "
+             "labels y and any sample_weight travel too):"]
     for i, layer in enumerate(pipeline.layers[:-2]):
         p, name = layer.params, pipeline.params.layers[i].name
-        live.update({k: v for k, v in p.specs.items() if k not in live})
-        for k in p.drop:
-            live.pop(k, None)
+        live.update({k: plan.specs[k] for k in p.outputs})
         if isinstance(layer, graph_layer.GraphNodeLayer) and p.export_prefix:
             for key, v in zip(layer._trainable_keys + layer._non_trainable_keys,
                               layer.keras_layer.trainable_variables
                               + layer.keras_layer.non_trainable_variables):
                 live[p.export_prefix + key] = (None, list(v.shape), v.dtype)
+        for k in p.drop:
+            live.pop(k, None)
         for k in range(len(ranges) - 1):
-            if ranges[k][1] - 1 == i:
-                lines.append(f" cut {k} -> {k + 1} (after {name}):")
-                total = 0
-                for key in sorted(live):
-                    spec = live[key]
-                    if spec[0] is None:  # A shared layer's weight: no batch dimension.
-                        shape, dtype, what = spec[1], spec[2], "weight"
-                    else:
-                        shape, dtype, what = [micro_batch_size, *spec[0]], spec[1], "tensor"
-                    size = math.prod(shape) * tf.as_dtype(dtype).size
-                    total += size
-                    lines.append(f"   {key:32s} {what:6s} {str(shape):20s} {dtype:8s} {size:>10,d}")
-                lines.append(f"   {'total':32s} {'':6s} {'':20s} {'':8s} {total:>10,d}")
+            if ranges[k][1] - 1 != i:
+                continue
+            lines.append(f" cut {k} -> {k + 1} (after {name}):")
+            total = 0
+            for key in sorted(live):
+                spec = live[key]
+                if spec[0] is None:  # A shared layer's weight: no batch dimension.
+                    shape, dtype, what = spec[1], spec[2], "weight"
+                else:
+                    shape, dtype, what = [micro_batch_size, *spec[0]], spec[1], "tensor"
+                size = math.prod(shape) * tf.as_dtype(dtype).size
+                total += size
+                lines.append(f"   {key:32s} {what:6s} {str(shape):20s} {dtype:8s} {size:>10,d}")
+            lines.append(f"   {'total':32s} {'':6s} {'':20s} {'':8s} {total:>10,d}")
     return "\n".join(lines)
 
 
@@ -204,7 +207,7 @@ class FunctionalPipelinedModel(PipelinedModel):
             micro = batch // pipe.num_micro_batches_for(batch)
         except ValueError:
             micro = batch
-        return pipe.partition.report() + "\n" + cut_report(pipe, micro)
+        return pipe.partition.report() + "\n" + cut_report(pipe, self._hidden.plan, micro)
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 jit_compile: Any = "auto", **kwargs: Any) -> None:

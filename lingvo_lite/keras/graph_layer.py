@@ -47,10 +47,12 @@ from lingvo_lite.layers import keras_flops, keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",
-           "TENSOR_REF"]
+           "SLICE_REF", "TENSOR_REF"]
 
-# How a node's call arguments refer to a tensor of the map: {"__tensor__": key}.
+# How a node's call arguments refer to a tensor of the map: {"__tensor__": key}, and
+# how they hold a Python slice: {"__slice__": [start, stop, step]}.
 TENSOR_REF = "__tensor__"
+SLICE_REF = "__slice__"
 
 
 def _fill(template: Any, live: NestedMap) -> Any:
@@ -58,6 +60,8 @@ def _fill(template: Any, live: NestedMap) -> Any:
     if isinstance(template, dict):
         if set(template) == {TENSOR_REF}:
             return live[template[TENSOR_REF]]
+        if set(template) == {SLICE_REF}:
+            return slice(*template[SLICE_REF])
         return {k: _fill(v, live) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
         return type(template)(_fill(v, live) for v in template)

@@ -127,6 +127,8 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
             return [ref(v) for v in value]
         if isinstance(value, dict):
             return {k: ref(v) for k, v in value.items()}
+        if isinstance(value, slice):  # x[:, 0] on a symbolic tensor (BERT's pooled token).
+            return {graph_layer.SLICE_REF: [value.start, value.stop, value.step]}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         raise ValueError(f"PipelinedModel: a node's call argument {value!r} is not a tensor or a "
