@@ -169,6 +169,10 @@ class EquivalenceTest(tf.test.TestCase):
         self.assertEqual(report.worst.max_rel_diff, max(v.max_rel_diff for v in report.variables))
         self.assertGreater(report.worst.max_rel_diff, 1e-2)  # A real bug is far above rounding.
         self.assertIn(report.worst.name, report.verdict())
+        # The worst gradient belongs to a layer before the broken dropout; the verdict names
+        # the dropout itself.
+        self.assertIn("layer 1 (bad_drop)", report.suspect)
+        self.assertIn("layer 1 (bad_drop)", report.verdict())
 
     def test_relative_difference_of_a_known_perturbation(self) -> None:
         reference = np.random.default_rng(0).normal(size=(5, 7))
