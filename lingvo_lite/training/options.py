@@ -253,6 +253,16 @@ def python_command() -> str:
     return _runnable_path(sys.executable) if sys.executable else "python3"
 
 
+def trainer_command() -> str:
+    """`<python> trainer.py` as the running trainer would be typed from the current directory."""
+    import sys
+
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    script = (_runnable_path(os.path.abspath(main)) if os.path.basename(main) == "trainer.py"
+              else "trainer.py")
+    return f"{python_command()} {script}"
+
+
 def tensorboard_command() -> str:
     """The `tensorboard` installed beside this interpreter (e.g. `.venv/bin/tensorboard`).
 

@@ -375,7 +375,7 @@ def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> st
     override = "; ".join(x for x in settings if x)
     from lingvo_lite.training import options
 
-    return (f"{options.python_command()} trainer.py --model={model} "
+    return (f"{options.trainer_command()} --model={model} "
             f"--logdir={options.default_run_logdir(model)} --num_cells={plan.num_cells} "
             f"--num_replicas={plan.num_replicas} --num_micro_batches={plan.num_micro_batches} "
             f"--model_params_override=\"{override}\"")
