@@ -44,6 +44,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras.src import tree
+from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import fprop_context
 from lingvo_lite.keras import graph_layer
@@ -95,6 +96,8 @@ def layer_params(plan: GraphPlan) -> list[Any]:
     for i, node in enumerate(plan.nodes):
         reads = graph_layer.tensor_keys(node.call)
         specs = {k: [list(plan.specs[k][0]), plan.specs[k][1]] for k in reads + node.outputs}
+        specs.update({graph_layer.mask_key(k): [list(plan.masks[k][0]), plan.masks[k][1]]
+                      for k in node.outputs if k in plan.masks})
         config = keras_layer.serialize(node.layer)
         if node.first_call is None and isinstance(node.layer, keras.layers.Layer):
             _check_regularizers(node.layer, allow_weight_regularizers=True)
@@ -107,8 +110,16 @@ def layer_params(plan: GraphPlan) -> list[Any]:
                 keras_layer=config,
                 import_prefix=None if node.first_call is None else prefixes[node.first_call])
         params.append(p.Set(name=f"node_{i}_{node.name}", call=node.call, outputs=node.outputs,
-                            specs=specs, drop=sorted(set(drops.get(i, [])))))
-    params.append(graph_layer.GraphOutputLayer.Params().Set(name="outputs", outputs=plan.outputs))
+                            specs=specs, drop=sorted(set(drops.get(i, []))),
+                            masks_in=[k for k in dict.fromkeys(reads) if k in plan.masks],
+                            masks_out=[k for k in node.outputs if k in plan.masks]))
+    masked = [k for k in tree.flatten(plan.outputs) if k in plan.masks]
+    if masked and not isinstance(plan.outputs, str):
+        raise ValueError(f"PipelinedModel: outputs {masked} carry Keras masks; masked outputs "
+                         "are supported for a model with one output only.")
+    params.append(graph_layer.GraphOutputLayer.Params().Set(
+        name="outputs", outputs=plan.outputs,
+        output_mask=graph_layer.mask_key(plan.outputs) if masked else None))
     params.append(graph_layer.GraphLossLayer.Params().Set(name="loss"))
     return params
 
@@ -141,6 +152,7 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
     for i, layer in enumerate(pipeline.layers[:-2]):
         p, name = layer.params, pipeline.params.layers[i].name
         live.update({k: plan.specs[k] for k in p.outputs})
+        live.update({graph_layer.mask_key(k): plan.masks[k] for k in p.masks_out})
         if isinstance(layer, graph_layer.GraphNodeLayer) and p.export_prefix:
             for key, v in zip(layer._trainable_keys + layer._non_trainable_keys,
                               layer.keras_layer.trainable_variables
@@ -148,6 +160,7 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
                 live[p.export_prefix + key] = (None, list(v.shape), v.dtype)
         for k in p.drop:
             live.pop(k, None)
+            live.pop(graph_layer.mask_key(k), None)
         for k in range(len(ranges) - 1):
             if ranges[k][1] - 1 != i:
                 continue
@@ -245,8 +258,11 @@ class FunctionalPipelinedModel(PipelinedModel):
             return [self._static_batch(tf.convert_to_tensor(v)) for v in value]
         return self._static_batch(tf.convert_to_tensor(value))
 
-    def _to_keras(self, predictions: Any) -> Any:
+    def _to_keras(self, predictions: Any, mask: Any = None) -> Any:
         plan = self._hidden.plan
+        if mask is not None:  # Keras metrics and the caller see the output's mask.
+            predictions = tf.identity(predictions)
+            set_keras_mask(predictions, mask)
         if isinstance(plan.outputs, dict):
             return {plan.output_names[k]: v for k, v in predictions.items()}
         return predictions
@@ -263,7 +279,7 @@ class FunctionalPipelinedModel(PipelinedModel):
                 out = self._unsplit_forward(x)
         if collector is not None:
             collector.apply()
-        return self._to_keras(out.predictions)
+        return self._to_keras(out.predictions, out.get("predictions_mask"))
 
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -300,7 +316,8 @@ class FunctionalPipelinedModel(PipelinedModel):
                     penalty = tf.cast(v.regularizer(v), loss.dtype)
                 gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
                 loss = loss + penalty
-        return loss, gradients, self._to_keras(out.predictions), collector
+        return (loss, gradients, self._to_keras(out.predictions, out.get("predictions_mask")),
+                collector)
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         return self.plain.compute_output_shape(input_shape)

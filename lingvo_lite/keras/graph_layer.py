@@ -41,18 +41,24 @@ import keras
 import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
+from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory
 from lingvo_lite.layers import keras_flops, keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",
-           "SLICE_REF", "TENSOR_REF"]
+           "SLICE_REF", "TENSOR_REF", "mask_key"]
 
 # How a node's call arguments refer to a tensor of the map: {"__tensor__": key}, and
 # how they hold a Python slice: {"__slice__": [start, stop, step]}.
 TENSOR_REF = "__tensor__"
 SLICE_REF = "__slice__"
+
+
+def mask_key(key: str) -> str:
+    """The map key of the Keras mask that the tensor `key` carries (Embedding(mask_zero))."""
+    return key + "__mask"
 
 
 def _fill(template: Any, live: NestedMap) -> Any:
@@ -85,7 +91,10 @@ def _node_params(p: hyperparams.InstantiableParams) -> hyperparams.InstantiableP
     p.Define("outputs", [], "Map keys of the node's outputs (its flattened outputs).")
     p.Define("specs", {}, "{key: [shape without batch, dtype]} of the tensors the node reads "
              "and writes (building, costing).")
-    p.Define("drop", [], "Map keys no later layer reads: removed after this node.")
+    p.Define("drop", [], "Map keys no later layer reads: removed after this node (with their "
+             "masks).")
+    p.Define("masks_in", [], "Keys of inputs that carry a Keras mask (from the map).")
+    p.Define("masks_out", [], "Keys of outputs whose Keras mask goes into the map.")
     return p
 
 
@@ -93,6 +102,8 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
                non_trainable: list[Any], training: bool) -> tuple[list[Any], list[bool]]:
     """Flat outputs of the node's call on `live` with the given weight values, and which
     non-trainable weights the call changed."""
+    for key in p.masks_in:  # Masks cross cuts beside their tensors, as map entries.
+        set_keras_mask(live[key], live[mask_key(key)])
     call = _fill(p.call, live)
     args, kwargs = list(call["args"]), dict(call["kwargs"])
     if not isinstance(layer, keras.layers.Layer):
@@ -105,11 +116,6 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
         before = [scope.get_current_value(v) for v in layer.non_trainable_variables]
         outputs = layer(*args, **kwargs)
         after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
-    if keras_backend.get_keras_mask(tree.flatten(outputs)[0]) is not None:
-        raise ValueError(
-            f"Keras layer '{layer.name}' returns a Keras mask (mask_zero / Masking); "
-            "pipelined functional models do not carry implicit masks yet: pass the mask "
-            "as an explicit model input (e.g. keras-hub's padding_mask).")
     return tree.flatten(outputs), [a is not b for a, b in zip(after, before)]
 
 
@@ -117,20 +123,26 @@ def _next_map(live: NestedMap, p: hyperparams.Params, outputs: list[Any],
               extra: dict[str, Any] | None = None) -> NestedMap:
     if len(outputs) != len(p.outputs):
         raise ValueError(f"Keras node returned {len(outputs)} tensors, its graph {len(p.outputs)}.")
-    out = NestedMap({k: v for k, v in live.items() if k not in set(p.drop)})
+    drop = set(p.drop) | {mask_key(k) for k in p.drop}
+    out = NestedMap({k: v for k, v in live.items() if k not in drop})
     for key, value in zip(p.outputs, outputs):
-        if key not in p.drop:
+        if key not in drop:
             out[key] = value
+            if key in p.masks_out:
+                out[mask_key(key)] = keras_backend.get_keras_mask(value)
     out.update(extra or {})
     return out
 
 
 def _shape_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any]) -> NestedMap:
     batch = next(iter(inputs.values()))[0] if inputs else 1
-    out = NestedMap({k: v for k, v in inputs.items() if k not in set(p.drop)})
+    drop = set(p.drop) | {mask_key(k) for k in p.drop}
+    out = NestedMap({k: v for k, v in inputs.items() if k not in drop})
     for key in p.outputs:
-        if key not in p.drop:
+        if key not in drop:
             out[key] = tf.TensorShape([batch, *p.specs[key][0]])
+            if key in p.masks_out:
+                out[mask_key(key)] = tf.TensorShape([batch, *p.specs[mask_key(key)][0]])
     out.update(extra)
     return out
 
@@ -302,11 +314,14 @@ class GraphOutputLayer(base_layer.BaseLayer):
     def Params(cls) -> hyperparams.InstantiableParams:
         p = super().Params()
         p.Define("outputs", None, "Output key, list of keys, or {output name: key}.")
+        p.Define("output_mask", None, "Map key of the one output's Keras mask, if it has one.")
         return p
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         del theta
         out = NestedMap(x=pack_outputs(self.params.outputs, inputs))
+        if self.params.output_mask:
+            out.x_mask = inputs[self.params.output_mask]
         for key in ("y", "sample_weight"):
             if inputs.get(key) is not None:
                 out[key] = inputs[key]
@@ -315,6 +330,8 @@ class GraphOutputLayer(base_layer.BaseLayer):
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
         out = NestedMap(x=pack_outputs(p.outputs, inputs))
+        if p.output_mask:
+            out.x_mask = inputs[p.output_mask]
         return base_layer.fprop_meta(0.0, out, 0, p.dtype)
 
 
@@ -351,13 +368,23 @@ class GraphLossLayer(base_layer.BaseLayer):
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         del theta  # No weights.
         out = NestedMap(predictions=inputs.x)
+        mask = inputs.get("x_mask")
+        if mask is not None:
+            out.predictions_mask = mask
         if inputs.get("y") is None:
             return out
         if self._spec is None:
             raise ValueError(f"{self.path}: no loss to train with; compile the model with "
                              "loss=....")
         if not isinstance(inputs.x, (NestedMap, list)):
-            out.loss = self._one_loss(self._spec, inputs.y, inputs.x, inputs.get("sample_weight"))
+            x = inputs.x
+            if mask is not None:
+                # Keras divides a masked loss by the micro-batch's unmasked entries: the
+                # pipeline weighs each micro-batch's mean by that count (loss_weight).
+                x = tf.identity(x)
+                set_keras_mask(x, mask)
+                out.loss_weight = tf.reduce_sum(tf.cast(mask, tf.float32))
+            out.loss = self._one_loss(self._spec, inputs.y, x, inputs.get("sample_weight"))
             return out
         names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
         weight = inputs.get("sample_weight")
@@ -385,5 +412,7 @@ class GraphLossLayer(base_layer.BaseLayer):
         elements = sum(int(tf.TensorShape(s).num_elements() or 0)
                        for s in NestedMap(x=x).Flatten())
         out = NestedMap(predictions=x, loss=tf.TensorShape([]))
+        if isinstance(inputs, NestedMap) and "x_mask" in inputs:
+            out.predictions_mask = inputs.x_mask
         return base_layer.fprop_meta(keras_loss.LOSS_FLOPS_PER_ELEMENT * elements, out, 0,
                                      tf.float32)

@@ -72,6 +72,8 @@ class GraphPlan:
     specs: dict[str, tuple[tuple[int, ...], str]]  # key -> (shape without batch, dtype).
     output_names: dict[str, str]  # Map name of a dict output -> the model's name for it.
     input_struct: Any = None
+    # key -> (shape without batch, dtype) of the Keras mask a tensor carries (mask_zero=True).
+    masks: dict[str, tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
 
 
 class _Namer:
@@ -106,11 +108,15 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
     name_of = _Namer()
     keys: dict[int, str] = {}
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
+    masks: dict[str, tuple[tuple[int, ...], str]] = {}
 
     def add(tensor: Any, name: str, shape: Any = None) -> str:
         key = name_of(name)
         keys[id(tensor)] = key
         specs[key] = (tuple(tensor.shape[1:] if shape is None else shape), str(tensor.dtype))
+        mask = getattr(tensor, "_keras_mask", None)
+        if mask is not None:
+            masks[key] = (tuple(mask.shape[1:]), str(mask.dtype))
         return key
 
     input_keys = [add(t, name, shape)
@@ -193,7 +199,8 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
         outputs = [keys[id(t)] for t in struct]
     else:
         outputs = keys[id(tree.flatten(struct)[0])]
-    plan = GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct)
+    plan = GraphPlan(input_keys, nodes, outputs, specs, output_names, model._inputs_struct,
+                     masks)
     if any(d is None for shape, _ in specs.values() for d in shape):
         _infer_static_specs(plan)
     return plan
@@ -233,6 +240,9 @@ def _infer_static_specs(plan: GraphPlan) -> None:
         for key, tensor in zip(node.outputs, tree.flatten(out)):
             values[key] = tensor
             plan.specs[key] = (tuple(tensor.shape[1:]), str(tensor.dtype))
+            if key in plan.masks:  # A mask's shape is its tensor's leading dimensions.
+                rank = len(plan.masks[key][0])
+                plan.masks[key] = (plan.specs[key][0][:rank], plan.masks[key][1])
             if any(d is None for d in tensor.shape[1:]):
                 raise ValueError(f"PipelinedModel: tensor '{key}' has shape {tuple(tensor.shape)} "
                                  "for static inputs; the pipeline needs static shapes.")
