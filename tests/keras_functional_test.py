@@ -327,3 +327,16 @@ def test_dropout_node_draws_keras_masks_for_every_split():
 def test_batch_norm_node_fit_at_one_micro_batch():
     x, y = batch(16)
     check_fit(batch_norm_model, "mse", x, y, "adam", num_cells=2, num_micro_batches=1)
+
+
+def test_unread_second_output_of_a_node():
+    keras.utils.set_random_seed(9)
+    seq = keras.Input((4, 8), name="seq")
+    attended, _ = keras.layers.MultiHeadAttention(2, 4, dropout=0.1, name="mha")(
+        seq, seq, return_attention_scores=True)  # The scores: an output no node reads.
+    h = keras.layers.Dense(8, activation="tanh", name="h")(attended)
+    model = keras.Model(seq, keras.layers.Add(name="res")([seq, h]))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4, 8)).astype("float32")
+    check_step(model, "mse", x, rng.normal(size=(8, 4, 8)).astype("float32"), num_cells=2,
+               num_micro_batches=2)

@@ -91,7 +91,7 @@ def layer_params(plan: GraphPlan) -> list[Any]:
     produced_at = {key: i for i, n in enumerate(plan.nodes) for key in n.outputs}
     for key, i in last.items():  # Outputs nobody reads leave at once.
         if i < produced_at.get(key, -1):
-            drops[produced_at[key]].append(key)
+            drops.setdefault(produced_at[key], []).append(key)
     params = []
     for i, node in enumerate(plan.nodes):
         reads = graph_layer.tensor_keys(node.call)
