@@ -1,6 +1,6 @@
 """Length buckets vs padding to the longest: tokens/s of the registered Transformer's layers.
 
-    .venv/bin/python bench/buckets.py            # records docs/benchmarks/15_length_buckets.md
+    .venv/bin/python bench/buckets.py            # records BENCHMARKS.md figure 15
     .venv/bin/python bench/buckets.py --no_record
 
 Sentence lengths are drawn from a log-normal distribution (median 20 tokens, a long tail cut at
