@@ -105,16 +105,21 @@ class ClusterFaultsTest(unittest.TestCase):
         self.assertLess(time.monotonic() - started, BOUND_S)
 
     def test_taken_port_ends_both_tasks_with_one_line(self):
-        with socket.socket() as holder:  # Another program holds task 1's port.
-            holder.bind(("127.0.0.1", 0))
-            holder.listen()
-            port = holder.getsockname()[1]
-            addresses = [f"127.0.0.1:{_free_ports(1)[0]}", f"127.0.0.1:{port}"]
-            chief, worker = self._start([_tf_config(addresses, 0), _tf_config(addresses, 1)],
-                                        "--max_steps=4")
-            self._assert_each_ends_with_one_line(
-                [worker, chief], f"address 127.0.0.1:{port} is in use by another program",
-                f"task 1 (127.0.0.1:{port}) of the cluster could not start")
+        for taken in (1, 0):  # Another program holds the worker's, then the chief's port.
+            with self.subTest(taken=taken), socket.socket() as holder:
+                holder.bind(("127.0.0.1", 0))
+                holder.listen()
+                port = holder.getsockname()[1]
+                addresses = [f"127.0.0.1:{_free_ports(1)[0]}"] * 2
+                addresses[taken] = f"127.0.0.1:{port}"
+                tasks = self._start([_tf_config(addresses, 0), _tf_config(addresses, 1)],
+                                    "--max_steps=4")
+                self._assert_each_ends_with_one_line(
+                    [tasks[taken], tasks[1 - taken]],
+                    f"address 127.0.0.1:{port} is in use by another program",
+                    f"task {taken} (127.0.0.1:{port}) of the cluster could not start")
+                for t in tasks:
+                    t.stop()
 
     def test_mismatched_tf_configs_end_both_tasks_with_one_line(self):
         p0, p1, p2 = _free_ports(3)
