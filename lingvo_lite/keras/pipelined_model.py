@@ -32,8 +32,10 @@ What matches the unpipelined Sequential (tests/pipelined_model_test.py):
 Refused up front with a one-line ValueError naming the setting and what to do instead:
 `jit_compile=True`; several losses or loss weights (a layer stack has one output); a
 loss with reduction='none'; layers that call `add_loss` or have activity regularizers;
-an optimizer other than SGD with a trainable Embedding (Keras squares each token
-occurrence's sparse gradient separately, the pipeline's gradient is a dense sum); a
+an optimizer other than SGD with a trainable Embedding after the first layer (Keras
+squares each token occurrence's sparse gradient separately, the pipeline's gradient of a
+pipelined layer is a dense sum; a leading Embedding runs before the pipeline, on cell 0's
+device, and gets Keras' sparse gradient from the pipeline's input gradient); a
 `.weights.h5` file of another model in `load_weights`.
 
 Training needs equal batches (the pipeline splits a static mini-batch into T
@@ -64,7 +66,7 @@ from typing import Any
 import h5py
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import set_keras_mask
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
 from lingvo_lite.layers import keras_layer, keras_loss
@@ -211,8 +213,21 @@ class PipelinedModel(keras.Model):
             remat=remat, schedule=schedule, placement=placement,
             partition_method=partition_method, split_points=split_points,
             serial_devices=serial_devices, cost_batch_size=cost_batch_size)
+        # A leading trainable Embedding runs before the pipeline, on cell 0's device: its
+        # gradient is then taken as Keras takes it (one row per token occurrence, from the
+        # pipeline's input gradient), which optimizers that square gradients need.
+        front_source = None
+        if len(sources) > 1 and isinstance(sources[0], keras.layers.Embedding) and \
+                sources[0].trainable:
+            front_source, sources = sources[0], sources[1:]
+        pipe_input_shape = input_shape
+        if front_source is not None:
+            with tf.Graph().as_default():
+                probe = keras_layer.deserialize(keras_layer.serialize(front_source))
+                pipe_input_shape = tuple(probe.compute_output_shape((None, *input_shape))[1:])
         params = pipeline_params(
-            sources, input_shape, num_cells=num_cells, num_micro_batches=num_micro_batches,
+            sources, pipe_input_shape, num_cells=num_cells,
+            num_micro_batches=num_micro_batches,
             micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
             placement=placement, partition_method=partition_method,
             split_points=split_points, serial_devices=serial_devices,
@@ -221,13 +236,22 @@ class PipelinedModel(keras.Model):
         wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
         for source, target in zip(sources, wrapped):
             _copy_state(source, target)
+        front = None
+        if front_source is not None:
+            with tf.device(pipeline.devices[0]):
+                front = keras_layer.deserialize(keras_layer.serialize(front_source))
+                front.build((None, *input_shape))
+            _copy_state(front_source, front)
+            wrapped.insert(0, front)
         # The same layer objects (hence variables) as a plain Sequential: Keras tracks and
         # saves the weights through it, in the Sequential's layout.
         self.plain = keras.Sequential([keras.Input(input_shape), *wrapped], name="layers")
-        self._hidden = _Hidden(pipeline=pipeline, batch_size=None)
+        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, front=front)
         flat = pipeline.theta.Flatten()
         position = {id(leaf): i for i, leaf in enumerate(flat)}
-        self._hidden.grad_index = [position[id(v.value)] for v in self.plain.trainable_variables]
+        # Index into the pipeline's gradients, or None for the front layer's variables.
+        self._hidden.grad_index = [position.get(id(v.value))
+                                   for v in self.plain.trainable_variables]
         self.built = True
 
     # -- the pipeline ----------------------------------------------------------
@@ -271,15 +295,16 @@ class PipelinedModel(keras.Model):
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if isinstance(inner, keras.optimizers.SGD):
             return
-        for layer in self.plain.layers:
-            for sub in layer._flatten_layers(include_self=True, recursive=True):
+        for layer in self.pipeline.layers[:-1]:
+            for sub in layer.keras_layer._flatten_layers(include_self=True, recursive=True):
                 if isinstance(sub, keras.layers.Embedding) and sub.trainable:
                     raise ValueError(
                         f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
                         f"trainable Embedding '{sub.name}' would train differently from plain "
                         "Keras (which squares each token occurrence's gradient separately; the "
-                        "pipeline sums an embedding's gradient first): use SGD, or freeze the "
-                        "embedding (trainable=False).")
+                        "pipeline sums an embedding's gradient first): use SGD, freeze the "
+                        "embedding (trainable=False), or make it the first layer (it then runs "
+                        "before the pipeline).")
 
     def _resolve_auto_jit_compile(self) -> bool:
         # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
@@ -292,13 +317,27 @@ class PipelinedModel(keras.Model):
         collector = fprop_context.UpdateCollector() if training else None
         with fprop_context.fprop_context(training=bool(training), updates=collector):
             batch = x.shape[0]
+            pipe_inputs = self._front(x)
             if batch is not None and batch % pipe.num_micro_batches_for(batch) == 0:
-                out = pipe.FProp(pipe.theta, NestedMap(x=x))
+                out = pipe.FProp(pipe.theta, pipe_inputs)
             else:
-                out = self._unsplit_forward(NestedMap(x=x))
+                out = self._unsplit_forward(pipe_inputs)
         if collector is not None:
             collector.apply()
         return _with_mask(out.predictions, out.get("predictions_mask"))
+
+    def _front(self, x: tf.Tensor) -> NestedMap:
+        """The pipeline's input map: `x`, or the leading Embedding's output and its mask."""
+        front = getattr(self._hidden, "front", None)
+        if front is None:
+            return NestedMap(x=x)
+        with tf.device(self.pipeline.devices[0]):
+            embedded = front(x)
+        inputs = NestedMap(x=embedded)
+        mask = get_keras_mask(embedded)
+        if mask is not None:
+            inputs.Set(keras_layer.mask_key("x"), mask)
+        return inputs
 
     def _unsplit_forward(self, inputs: NestedMap) -> NestedMap:
         """All cells in order on the whole batch (each on its device): any batch size."""
@@ -337,7 +376,12 @@ class PipelinedModel(keras.Model):
                         ) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor,
                                    fprop_context.UpdateCollector]:
         """(reported loss, gradients for the optimizer, predictions, side updates to apply)."""
-        inputs = NestedMap(x=x, y=self._static_batch(tf.convert_to_tensor(y)))
+        front = getattr(self._hidden, "front", None)
+        with tf.GradientTape(watch_accessed_variables=False) as front_tape:
+            if front is not None:
+                front_tape.watch([v.value for v in front.trainable_variables])
+            inputs = self._front(x)
+        inputs.y = self._static_batch(tf.convert_to_tensor(y))
         if sample_weight is not None:
             inputs.sample_weight = self._static_batch(tf.convert_to_tensor(sample_weight))
         pipe = self.pipeline
@@ -351,9 +395,19 @@ class PipelinedModel(keras.Model):
         inputs.loss_scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
-            out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+            if front is None:
+                out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+            else:
+                out, grads, input_grads = pipe.FPropAndGrads(pipe.theta, inputs,
+                                                             return_input_grads=True)
         flat = grads.Flatten()
-        gradients = [flat[i] for i in self._hidden.grad_index]
+        if front is not None:
+            with tf.device(pipe.devices[0]):
+                front_grads = iter(front_tape.gradient(
+                    inputs.x, [v.value for v in front.trainable_variables],
+                    output_gradients=input_grads.x))
+        gradients = [flat[i] if i is not None else next(front_grads)
+                     for i in self._hidden.grad_index]
         loss = out.loss / inputs.loss_scale
         for i, v in enumerate(self.plain.trainable_variables):
             if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
