@@ -60,9 +60,8 @@ def assert_step_matches(model: keras.Model, pipelined: PipelinedModel, x, y) -> 
 
 @pytest.mark.parametrize("num_cells,num_micro_batches,schedule,remat", [
     (1, 1, "gpipe", "except_last"),
-    (2, 4, "gpipe", "except_last"),
+    (2, 4, "gpipe", "never"),
     (4, 2, "1f1b", "always"),
-    (2, 1, "gpipe", "never"),
 ])
 def test_gpt2_causal_lm_step_matches_plain(num_cells, num_micro_batches, schedule, remat):
     model = gpt2_causal_lm()
