@@ -334,8 +334,6 @@ class SettingsTest(tf.test.TestCase):
                 self.assert_same_step(plain, pipelined, tokens, labels)
                 token_weights = rng.uniform(0.5, 2.0, size=(N, length)).astype(np.float32)
                 self.assert_same_step(plain, pipelined, tokens, labels, token_weights)
-        self.assert_same_fit(per_token, dict(loss=_sparse_xent()), data=(tokens, labels, None),
-                             input_shape=(length,), num_micro_batches=2, optimizers=("adam",))
 
 
 class KerasLossLayerTest(tf.test.TestCase):
