@@ -1,7 +1,9 @@
-"""Schedules side by side: gpipe, 1f1b, interleaved, zero_bubble; batched weight gradients.
+"""Schedules side by side: gpipe, 1f1b, interleaved, zero_bubble, zbv; batched weight gradients.
 
     python bench/schedules.py                      # the recorded run (~10 min on 2 cores)
     python bench/schedules.py --quick              # smaller shapes, fewer T and rounds
+    python bench/schedules.py --schedules=zero_bubble,interleaved,zbv --micro_batches=2,4,8 \
+        --models=transformer --no_co_run --no_weight_heavy    # ZB-V next to its neighbours
 
 Two figures, each in a fresh process with K logical CPU devices (intra-op 1, inter-op K):
 
@@ -9,10 +11,13 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   interleaved rounds against naive model parallelism (gpipe, T=1). Each configuration is also
   profiled, on the shared pool (TensorFlow's single-threaded executor, which serial devices use,
   emits no per-op profiler events): the measured mean idle fraction of the devices during the
-  pipelined phase stands next to the schedule's theoretical bubble (its unit-time timeline's
-  idle share). interleaved puts 2 cells on each device (virtual_stages=2); zero_bubble's B
-  records the inputs and output gradients of the weight ops and W computes their weight
-  gradients from them. Every row also shows the time model's step (issue 16,
+  pipelined phase (each cell's ops counted on the schedule's device for it, `cell_devices`)
+  stands next to the schedule's theoretical bubble (its unit-time timeline's idle share).
+  interleaved puts 2 cells on each device (virtual_stages=2); zbv (ZB-V) too, device d
+  holding cells d and 2K-1-d; zero_bubble's and zbv's B records the inputs and output
+  gradients of the weight ops and W computes their weight gradients from them. The same
+  model on one serial device (K=1, T=1) is the speedup's second baseline (`--one_device`).
+  Every row also shows the time model's step (issue 16,
   `time_model.predicted_from_phase_costs`): the schedule simulated with each action's duration
   measured on its own (every cell's forward, backward, input-only and weight-gradient calls,
   and the forward-plus-gradient of a micro-batch that keeps its activations, at the micro-batch
@@ -20,7 +25,7 @@ Two figures, each in a fresh process with K logical CPU devices (intra-op 1, int
   them) plus the optimizer's update. Each of those calls is also timed beside a copy of
   itself on another device (`--no_co_run` skips it): the ratio is its co-run slowdown, how
   much longer it takes while another core is busy (the cores share the host's memory
-  bandwidth; `simulator.CoRunSlowdown`), and the rows show the model with and without it.
+  bandwidth; `shared_processors.CoRunSlowdown`), and the rows show the model with and without it.
   The twins double the figure's memory: at K=2 with T up to 16, AmoebaNet's worker grew past
   this project's 24 GiB machine, so time the co-run factors there at fewer T (`--micro_batches
   =4,8`) or not at all.
@@ -45,22 +50,23 @@ sys.path.insert(0, HERE)
 
 import bench_lib  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+# (schedule, cells per device): K devices run K x v cells.
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zbv", 2))
 REMAT = "except_last"
 
 
-def _idle_per_device(events, virtual_stages: int, num_devices: int) -> float:
-    """Mean over devices of their idle share of the pipelined phase (first to last cell op)."""
+def _idle_per_device(events, sched) -> float:
+    """Mean over devices of their idle share of the pipelined phase (first to last cell op),
+    each cell's ops on the device `sched` places it on."""
     from lingvo_lite.analysis import trace_analysis
 
-    breakdown = trace_analysis.compute_breakdown(events, num_devices * virtual_stages,
-                                                 virtual_stages)
+    breakdown = trace_analysis.compute_breakdown(events, cell_devices=sched)
     return statistics.mean(breakdown.device_idle_in_pipeline)
 
 
-def _profile(fn, batch, virtual_stages: int, num_devices: int, steps: int = 3) -> float:
+def _profile(fn, batch, sched, steps: int = 3) -> float:
     return statistics.median(
-        _idle_per_device(events, virtual_stages, num_devices)
+        _idle_per_device(events, sched)
         for events in bench_lib.profiled_steps(fn, batch, steps)[0])
 
 
@@ -243,9 +249,14 @@ def fig_speedup(args: argparse.Namespace) -> dict:
     naive = bench_lib.make_pipeline(layers, shapes, k, 1, remat, serial_devices=True)
     steps["naive"] = (bench_lib.pipeline_train_step(naive)[0], batch)
     meta["naive"] = dict(schedule="gpipe", T=1, v=1)
+    if args.one_device:  # The whole model on one serial device: the speedup's own baseline.
+        alone = bench_lib.make_pipeline(layers, shapes, 1, 1, remat, serial_devices=True)
+        steps["one_device"] = (bench_lib.pipeline_train_step(alone)[0], batch)
     for t in args.micro_batches:
         for name, v in SCHEDULES:
-            if name == "interleaved" and (t % k or len(layers) < k * v):
+            if args.schedules and name not in args.schedules:
+                continue
+            if len(layers) < k * v or (name == "interleaved" and t % k):
                 continue
             pipe = bench_lib.make_pipeline(layers, shapes, k * v, t, remat, schedule=name,
                                            virtual_stages=v, serial_devices=True)
@@ -299,7 +310,7 @@ def fig_speedup(args: argparse.Namespace) -> dict:
                                        schedule=m["schedule"], virtual_stages=m["v"])
         fn = bench_lib.pipeline_train_step(pipe)[0]
         float(fn(batch))
-        m["idle"] = _profile(fn, batch, m["v"], k)
+        m["idle"] = _profile(fn, batch, pipe.make_schedule(m["T"]))
     return {"model": args.model, "devices": k, "processors": len(os.sched_getaffinity(0)),
             "median_s": {n: bench_lib.median(s) for n, s in samples.items()}, "meta": meta}
 
@@ -328,6 +339,8 @@ def _run_worker(figure: str, args: argparse.Namespace, **extra) -> dict:
            "--micro_batches=" + ",".join(str(t) for t in args.micro_batches)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--no_co_run"] if args.no_co_run else []
+    cmd += ["--schedules=" + ",".join(args.schedules)] if args.schedules else []
+    cmd += ["--one_device"] if args.one_device else []
     cmd += [f"--{name}={value}" for name, value in extra.items()]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -374,12 +387,23 @@ def _speedup_table(result: dict) -> list[str]:
         (f"time model{' (co-run slowdown)' if co_run else ''} | its error"
          if len(variants) == 1 or co_run else "without co-run slowdown | its error")
         for co_run in variants)
+    alone = result["median_s"].get("one_device")
+    vs_alone = ([" speedup vs one device |", "---|"] if alone else ["", ""])
+
+    def alone_column(step: float) -> str:
+        return f" {alone / step:.2f}x |" if alone else ""
+
     lines = [f"### {result['model']} (K={result['devices']} devices, serial{shared})", "",
-             "| schedule | T | median step | speedup vs naive MP | measured mean idle "
+             "| schedule | T | median step | speedup vs naive MP |" + vs_alone[0]
+             + " measured mean idle "
              f"(shared pool) | theoretical bubble | {model_heads} |",
-             "|---|---|---|---|---|---|" + "---|---|" * len(variants),
-             f"| naive MP (gpipe, T=1) | 1 | {naive * 1e3:.0f} ms | 1.00x | | "
-             + model_columns("naive", naive)]
+             "|---|---|---|---|" + vs_alone[1] + "---|---|" + "---|---|" * len(variants)]
+    if alone:
+        lines.append(f"| one device (K=1, T=1) | 1 | {alone * 1e3:.0f} ms | "
+                     f"{naive / alone:.2f}x |{alone_column(alone)} | | "
+                     + "| " * (2 * len(variants)))
+    lines.append(f"| naive MP (gpipe, T=1) | 1 | {naive * 1e3:.0f} ms | 1.00x |"
+                 f"{alone_column(naive)} | " + model_columns("naive", naive))
     errors = {co_run: {} for co_run in variants}
     for co_run in variants:
         predicted_naive = _predicted(result, "naive", co_run)
@@ -390,8 +414,8 @@ def _speedup_table(result: dict) -> list[str]:
             continue
         step = result["median_s"][key]
         name = m["schedule"] + (f" (v={m['v']})" if m["v"] > 1 else "")
-        lines.append(f"| {name} | {m['T']} | {step * 1e3:.0f} ms | {naive / step:.2f}x | "
-                     f"{100 * m['idle']:.0f}% | {100 * m['theory']:.0f}% "
+        lines.append(f"| {name} | {m['T']} | {step * 1e3:.0f} ms | {naive / step:.2f}x |"
+                     f"{alone_column(step)} {100 * m['idle']:.0f}% | {100 * m['theory']:.0f}% "
                      + model_columns(key, step))
         for co_run in variants:
             predicted = _predicted(result, key, co_run)
@@ -460,6 +484,12 @@ def main() -> None:
     parser.add_argument("--no_co_run", action="store_true",
                         help="Skip timing each call beside a copy of itself (the time model's "
                         "co-run slowdown).")
+    parser.add_argument("--schedules", default="",
+                        help="Comma-separated schedule names to run (default: all of "
+                        "SCHEDULES).")
+    parser.add_argument("--one_device", action="store_true",
+                        help="Also time the model on one serial device (K=1, T=1): a speedup "
+                        "column against it.")
     parser.add_argument("--record", action="store_true",
                         help="Write the tables into BENCHMARKS.md (bench/separate/), the "
                         "measurements beside them (.json).")
@@ -468,6 +498,7 @@ def main() -> None:
                         "run's measurements instead of measuring.")
     args = parser.parse_args()
     args.co_run = not args.no_co_run
+    args.schedules = [n for n in str(args.schedules).split(",") if n]
     args.micro_batches = [int(t) for t in str(args.micro_batches).split(",")]
     if args.worker:
         bench_lib.setup(args.devices * 2, 1, args.devices)
@@ -502,11 +533,13 @@ def main() -> None:
             f"K={args.devices} serial logical devices on a host with {cores} cores: at most "
             f"{cores} devices run at once, so the devices time-share the cores. The time model "
             "replays each schedule with the actions' durations timed alone (as in section 12) "
-            f"and `simulate(..., processors={cores})`: with n > {cores} actions running, each "
+            f"and `shared_processors.replay(processors={cores})`: with n > {cores} actions "
+            "running, each "
             f"runs at {cores}/n of its speed. The cores share one memory system, so each "
             "call is also timed beside a copy of itself on another device: its co-run "
             "factor s. While two calls a and b run on the two cores, the model slows each by "
-            "1 + sqrt((s_a - 1)(s_b - 1)) (`simulator.CoRunSlowdown`); the last two columns "
+            "1 + sqrt((s_a - 1)(s_b - 1)) (`shared_processors.CoRunSlowdown`); the last two "
+            "columns "
             "leave that out. On hardware "
             "with a processor and memory per device (accelerators), processors=None and the "
             "devices run side by side unslowed. remat 'except_last', momentum SGD; naive MP = "
