@@ -237,6 +237,8 @@ class FunctionalPipelinedModel(PipelinedModel):
         if policy.compute_dtype != policy.variable_dtype:
             raise ValueError(f"PipelinedModel.compile: mixed precision ('{policy.name}') is not "
                              "supported for functional models yet; use 'float32'.")
+        optimizer = keras.optimizers.get(optimizer)
+        _check_sparse_gradients(self._hidden.plan, optimizer)
         self.pipeline.layers[-1].set_loss(loss)
         keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
                             **kwargs)
@@ -330,13 +332,46 @@ class FunctionalPipelinedModel(PipelinedModel):
         return cls(model, **config)
 
 
+def _check_sparse_gradients(plan: GraphPlan, optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuses a non-SGD optimizer with a trainable embedding that is only looked up.
+
+    Keras hands such an embedding's gradient to the optimizer as IndexedSlices with one row
+    per token occurrence, and an optimizer that squares the gradient (Adam, RMSprop, ...)
+    squares each occurrence separately; the pipeline's gradient is the dense sum, which only
+    a linear update (SGD) treats the same. A tied embedding also used densely (GPT-2's
+    `reverse=True` LM head) gets a dense gradient in Keras too.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(inner, keras.optimizers.SGD):
+        return
+    dense = {id(n.layer) for n in plan.nodes if n.call["kwargs"].get("reverse") is True}
+    for node in plan.nodes:
+        if not isinstance(node.layer, keras.layers.Layer) or id(node.layer) in dense:
+            continue
+        for sub in node.layer._flatten_layers(include_self=True, recursive=True):
+            if isinstance(sub, keras.layers.Embedding) and sub.trainable:
+                raise ValueError(
+                    f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
+                    f"trainable Embedding '{sub.name}' would train differently from plain "
+                    "Keras (which squares each token occurrence's gradient separately; the "
+                    "pipeline sums an embedding's gradient first): use SGD or freeze the "
+                    "embedding (trainable=False).")
+
+
 def _share_variables(model: keras.Model, plain: keras.Model, plan: GraphPlan,
                      pipeline: pipelining_layer.PipeliningLayer) -> None:
     """Copies the model's weights into the pipeline and makes `plain`'s variables the
     pipeline's (same tf.Variables), so `plain` has the original layout."""
     user_layers = list(model._flatten_layers(include_self=False, recursive=True))
     plain_layers = list(plain._flatten_layers(include_self=False, recursive=True))
+    if [type(a) for a in user_layers] != [type(b) for b in plain_layers]:
+        raise ValueError(f"PipelinedModel: {type(model).__name__} rebuilt from its config has "
+                         "other layers than the model; its get_config is incomplete.")
     position = {id(layer): i for i, layer in enumerate(user_layers)}
+    for source, copy in zip(user_layers, plain_layers):
+        # keras-hub backbones rebuild their layers from constructor arguments: a frozen
+        # layer would come back trainable.
+        copy.trainable = source.trainable
     shared = set()
     for node, layer in zip(plan.nodes, pipeline.layers):
         if not isinstance(layer, graph_layer.GraphNodeLayer):
