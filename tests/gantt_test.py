@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
-from lingvo_lite.analysis import gantt, ideal_timeline, trace_analysis
-from lingvo_lite.pipeline import op_names, schedule
+from lingvo_lite.analysis import chrome_trace, gantt, ideal_timeline, trace_analysis
+from lingvo_lite.pipeline import custom_schedule, op_names, schedule
 
 MS = 1_000_000  # ns
 T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.
@@ -241,6 +241,36 @@ class InterleavedAndBatchedTest(unittest.TestCase):
         self.assertTrue(busy["F cell 2 mb 0 busy"].get_hatch())
         self.assertTrue(busy["F cell 3 mb 0 busy"].get_hatch())
         self.assertIn("K=4 on 2 devices", fig.get_suptitle())
+
+    def test_custom_schedule_with_a_hand_written_mapping_is_drawn_on_its_devices(self):
+        # A CustomSchedule from text: cells 0 and 1 on device 0, cell 2 on device 1 (not
+        # k % 2, which would put cell 1 on device 1). Chart rows, trace tracks and the
+        # breakdown's per-device busy time all follow that mapping.
+        sched = custom_schedule.CustomSchedule(
+            "device 0: 0F0 1F0 1B0 0B0\ndevice 1: 2F0 2B0", device_of_cell=(0, 0, 1))
+        self.assertEqual((0, 0, 1), sched.cell_devices)
+        rows = [(0, "F", 0, 0, 10), (1, "F", 0, 10, 20), (2, "F", 0, 20, 40),
+                (2, "B", 0, 40, 80), (1, "B", 0, 80, 100), (0, "B", 0, 100, 120)]
+        boxes = [_box(*r) for r in rows]
+        info = gantt.StepInfo.of("M", sched, "never", 120.0)
+        ax = _axes(gantt.gantt_figure(boxes, info), "measured")
+        for cell, phase, mb, _, _ in rows:
+            rect = _rect(ax, f"{phase} cell {cell} mb {mb}")
+            self.assertAlmostEqual((0, 0, 1)[cell], rect.get_y() + rect.get_height() / 2)
+        # Device 0 busy 0-20 and 80-120 ms (60 of 120): idle 50%; device 1 20-80: idle 50%.
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        self.assertEqual(2, len(labels))
+        self.assertIn("idle 50%", labels[0])
+        trace = chrome_trace.trace_events(boxes, step=1, cell_devices=info.cell_devices)
+        tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                  if e["ph"] == "M" and e["name"] == "thread_name"}
+        self.assertEqual({0: "device 0, cell 0", 1: "device 0, cell 1", 2: "device 1, cell 2"},
+                         tracks)
+        ev = trace_analysis.OpEvent
+        events = [ev(f"cell_{c}/{'fprop' if p == 'F' else 'bprop'}_mb_0/MatMul", "MatMul",
+                     start * MS, end * MS) for c, p, _, start, end in rows]
+        breakdown = trace_analysis.compute_breakdown(events, cell_devices=sched)
+        self.assertEqual((0.5, 0.5), tuple(round(b, 6) for b in breakdown.device_busy))
 
     def test_batched_weight_gradient_box_is_labelled_all(self):
         all_mb = op_names.ALL_MICRO_BATCHES
