@@ -138,12 +138,13 @@ def test_skip_connections_step_matches_plain(num_cells, num_micro_batches):
                num_micro_batches=num_micro_batches)
 
 
-@pytest.mark.parametrize("schedule,remat", [("1f1b", "always"), ("gpipe", "never"),
-                                            ("1f1b", "except_last")])
-def test_skip_connections_schedules_and_remat(schedule, remat):
+@pytest.mark.parametrize("schedule,remat,serial_devices", [
+    ("1f1b", "always", False), ("gpipe", "never", False), ("1f1b", "except_last", True),
+    ("zero_bubble", "except_last", False)])
+def test_skip_connections_schedules_and_remat(schedule, remat, serial_devices):
     x, y = batch()
     check_step(skip_model(), "mse", x, y, num_cells=4, num_micro_batches=4,
-               schedule=schedule, remat=remat)
+               schedule=schedule, remat=remat, serial_devices=serial_devices)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

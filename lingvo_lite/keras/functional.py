@@ -296,8 +296,9 @@ class FunctionalPipelinedModel(PipelinedModel):
                            ) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """One pipelined step's loss and the gradients of `plain.trainable_variables` (in
         that order, which is the original model's); nothing is applied."""
-        loss, gradients, _, _ = self._pipelined_step(x, y, sample_weight)
-        return loss, gradients
+        # Traced, as fit runs it (serial_devices=True can hang eagerly at K >= 3).
+        step = tf.function(lambda *args: self._pipelined_step(*args)[:2], autograph=False)
+        return step(x, y, sample_weight)
 
     def _pipelined_step(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
         """(loss, gradients, predictions, side updates to apply) of one training batch."""
