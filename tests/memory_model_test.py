@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from lingvo_lite import optimizers
+from lingvo_lite import layer_memory, optimizers
 from lingvo_lite.analysis import memory_model, simulator
 from lingvo_lite.analysis.memory_model import LayerMemory
 from lingvo_lite.pipeline import partition, schedule
@@ -274,7 +274,7 @@ def test_deferred_bytes_from_the_layers_metas():
     norm = normalization.LayerNorm.Params().Set(name="n", input_dim=3)
     metas = [proj.cls.FPropMeta(proj, [8, 4]), norm.cls.FPropMeta(norm, [8, 3]),
              base_layer.fprop_meta(0, tf.TensorShape([8, 3]), num_params=5,
-                                   saved_activation_bytes=40)]
+                                   memory=layer_memory.MemoryRecord(saved_activation_bytes=40))]
     # The matmul's input (8 x 4 floats) and output gradient (8 x 3); layer norm's weights act
     # element-wise (none); an undeclared layer with weights: its saved bytes and output.
     assert [m.deferred_bytes for m in memory_model.layer_memory(metas)] == [

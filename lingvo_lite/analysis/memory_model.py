@@ -25,7 +25,7 @@ whose device walks the actions of all of them in its own order):
   boundary copy of its input, or all its saved activations when its backward does not
   recompute (the same decision as `remat.recomputed_actions`), with the input copy too unless
   the cell's first layer's saved bytes cover what its backward reads of it
-  (`base_layer.saved_covers_input`: an AmoebaNet cell's first op, a ReLU, overwrites the
+  (`layer_memory.saved_covers_input`: an AmoebaNet cell's first op, a ReLU, overwrites the
   received buffer in place, and a Transformer block's gradients read only tensors made from
   its input; a dense layer's weight gradient reads the input itself); plus the working set of the
   running action (of the cell it belongs to): one
@@ -54,7 +54,7 @@ whose device walks the actions of all of them in its own order):
   among what it re-computed. The batched W concatenates all T micro-batches' records, one more copy
   while it runs.
 
-Saved activations per layer are `base_layer.saved_activation_bytes(meta)`: the layer's own
+Saved activations per layer are `layer_memory.saved_activation_bytes(meta)`: the layer's own
 estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
 output; the Transformer's layers and AmoebaNet cells count the tensors their ops' gradients
 read, each once (layer norm: the centred and the normalised input and 1 / std; attention: its
@@ -70,7 +70,7 @@ probability tensors, less what its backward has freed by then; composite layers 
 registered Transformer's, `SequentialLayer`): their largest sub-layer's, as they back-propagate
 one sub-layer after another; the Transformer's softmax: the logits and the smoothed targets),
 else the default of
-`base_layer.backward_temporary_bytes`. Measured against per-device BFC peaks (one process per
+`layer_memory.backward_temporary_bytes`. Measured against per-device BFC peaks (one process per
 device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
 `tests/memory_model_test.py`.
 
@@ -94,7 +94,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lingvo_lite import base_layer
+from lingvo_lite import layer_memory as memory_records
 from lingvo_lite.analysis import simulator
 from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
@@ -111,7 +111,7 @@ class LayerMemory:
     out_bytes: int  # Its output (the boundary when a cell ends here).
     saved_bytes: int  # Activations it keeps from its forward for its backward.
     # Gradient temporaries while back-propagating through it; None: the default estimate
-    # (`base_layer.backward_temporary_bytes`).
+    # (`layer_memory.backward_temporary_bytes`).
     backward_temporary_bytes: int | None = None
     # What a deferred weight gradient holds from B to W (its weight ops' inputs and output
     # gradients).
@@ -123,14 +123,14 @@ class LayerMemory:
     # sub-layers it passed stay); None: `inline_temporaries`.
     deferring_temporary_bytes: int | None = None
     # saved_bytes already counts what its backward reads of its input
-    # (`base_layer.saved_covers_input`); False: its input is the previous layer's output.
+    # (`layer_memory.saved_covers_input`); False: its input is the previous layer's output.
     saved_covers_input: bool = False
 
     @property
     def temporaries(self) -> int:
         if self.backward_temporary_bytes is not None:
             return self.backward_temporary_bytes
-        return base_layer.default_backward_temporary_bytes(self.out_bytes, self.saved_bytes)
+        return memory_records.default_backward_temporary_bytes(self.out_bytes, self.saved_bytes)
 
     @property
     def inline_temporaries(self) -> int:
@@ -150,20 +150,21 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
     out = []
     for m in metas:
         trainable = int(m.num_params) - int(m.get("non_trainable_params", 0))
-        saved = base_layer.saved_activation_bytes(m)
-        deferred = m.get("weight_op_bytes")
+        saved = memory_records.saved_activation_bytes(m)
+        declared = memory_records.record_of(m)
+        deferred = declared.weight_op_bytes
         if deferred is None:  # Not declared: an upper estimate.
             deferred = saved + int(m.out_bytes) if trainable > 0 else 0
         out.append(LayerMemory(param_bytes=int(m.num_params) * param_bytes_per_element,
                                trainable_bytes=trainable * param_bytes_per_element,
                                out_bytes=int(m.out_bytes),
                                saved_bytes=saved,
-                               backward_temporary_bytes=m.get("backward_temporary_bytes"),
+                               backward_temporary_bytes=declared.backward_temporary_bytes,
                                deferred_bytes=int(deferred),
-                               inline_temporary_bytes=m.get("inline_backward_temporary_bytes"),
-                               deferring_temporary_bytes=m.get(
-                                   "deferring_backward_temporary_bytes"),
-                               saved_covers_input=base_layer.saved_covers_input(m)))
+                               inline_temporary_bytes=declared.inline_backward_temporary_bytes,
+                               deferring_temporary_bytes=(
+                                   declared.deferring_backward_temporary_bytes),
+                               saved_covers_input=memory_records.saved_covers_input(m)))
     return out
 
 
