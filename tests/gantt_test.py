@@ -92,12 +92,13 @@ class GanttFigureTest(unittest.TestCase):
         self.assertEqual(len(STEP), len(boxes))
 
     def test_phase_colours_and_a_legend_entry_per_phase_present(self):
-        self.assertEqual(["forward", "recompute", "backward", "idle"], _phase_legend(self.fig))
+        self.assertEqual(["forward", "recompute", "backward", "between its ops", "idle"],
+                         _phase_legend(self.fig))
         self.assertNotEqual(_rect(self.ax, "F cell 0 mb 0").get_facecolor()[:3],
                             _rect(self.ax, "B cell 0 mb 0").get_facecolor()[:3])
         without_recompute = [b for b in BOXES if b.phase != "R"]
         fig = gantt.gantt_figure(without_recompute, INFO)
-        self.assertEqual(["forward", "backward", "idle"], _phase_legend(fig))
+        self.assertEqual(["forward", "backward", "between its ops", "idle"], _phase_legend(fig))
 
     def test_idle_band_spans_each_row(self):
         for k in range(2):
@@ -153,8 +154,8 @@ class GanttFigureTest(unittest.TestCase):
         for phase in ("F", "B"):
             self.assertNotEqual(w_colour, _rect(ax, f"{phase} cell 1 mb 0").get_facecolor()[:3])
         # The legend has the measured phases (R included) and the predicted W.
-        self.assertEqual(["forward", "recompute", "backward", "weight gradient", "idle"],
-                         _phase_legend(fig))
+        self.assertEqual(["forward", "recompute", "backward", "weight gradient",
+                          "between its ops", "idle"], _phase_legend(fig))
 
     def test_height_grows_with_k_and_large_pipelines_render(self):
         heights = {}
@@ -178,6 +179,32 @@ class GanttFigureTest(unittest.TestCase):
                                     & labels, msg=f"K={K}, T={T}, cell {k}, mb {t}")
         # Six more devices: six more rows, each tall enough for a line of text (30 px).
         self.assertGreaterEqual(heights[8] - heights[2], 6 * 30)
+
+    def test_no_two_labels_overlap_at_k8_t32(self):
+        for name, K, T in (("gpipe", 8, 32), ("1f1b", 8, 32), ("zbv", 8, 16)):
+            sched = schedule.make_schedule(name, K, T)
+            durations = {(k, p): d * MS for k in range(K)
+                         for p, d in (("F", 1), ("B", 2), ("W", 1))}
+            boxes = ideal_timeline.predict_boxes(sched, durations)
+            fig = gantt.gantt_figure(boxes, gantt.StepInfo.of("M", sched, "never", 1.0),
+                                     predicted=boxes)
+            fig.canvas.draw()
+            renderer = fig.canvas.get_renderer()
+            for panel in ("measured", "predicted"):
+                extents = [t.get_window_extent(renderer) for t in _axes(fig, panel).texts]
+                self.assertGreater(len(extents), K * 4, msg=(name, panel))
+                overlapping = [(i, j) for i in range(len(extents))
+                               for j in range(i + 1, len(extents))
+                               if extents[i].overlaps(extents[j])]
+                self.assertEqual([], overlapping, msg=(name, panel))
+
+    def test_legend_names_every_shade(self):
+        sched = schedule.make_schedule("zbv", 4, 4)
+        durations = {(k, p): d * MS for k in range(4) for p, d in (("F", 1), ("B", 2), ("W", 1))}
+        boxes = ideal_timeline.predict_boxes(sched, durations)
+        fig = gantt.gantt_figure(boxes, gantt.StepInfo.of("M", sched, "never", 1.0))
+        self.assertEqual(["forward", "backward", "weight gradient", "between its ops",
+                          "later cell", "idle"], _phase_legend(fig))
 
 
 if __name__ == "__main__":

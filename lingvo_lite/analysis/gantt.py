@@ -3,9 +3,11 @@
 One figure, top to bottom:
   - the measured step: one row per device, time in milliseconds since the first pipeline op,
     each action phase a box coloured by phase (forward, recompute, backward, weight gradient)
-    spanning its first op start to its last op end, drawn light where no op of it ran and solid
-    where its ops ran; grey where the device is idle; the micro-batch number inside the box when
-    it fits (turned upright in narrow boxes; where boxes are too narrow, every n-th number);
+    spanning its first op start to its last op end, drawn light where no op of it ran ("between
+    its ops") and solid where its ops ran, a device's later cells hatched (interleaved, zbv);
+    grey where the device is idle; the legend names each. The micro-batch number stands inside
+    the box when it fits (turned upright in narrow boxes; where boxes are too narrow, every
+    n-th number), and never where it would overlap another number;
   - optionally the simulator's predicted timeline (`ideal_timeline`) on the same time axis, W
     boxes (weight gradients of a split backward) in their own colour: idle
     time the prediction also has comes from the schedule (its bubble) and the devices' unequal
@@ -66,6 +68,7 @@ FONT_PT = 9.5
 TITLE_FONT_PT = 11.0
 LABEL_FONT_PT = 8.5
 NARROW_LABEL_FONT_PT = 6.5
+LEGEND_COLUMNS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,37 +203,55 @@ def _label_placement(label: str, width_px: float, row_px: float) -> tuple[float,
     return None
 
 
+def _label_extent_px(label: str, size: float, rotation: int) -> float:
+    """Horizontal pixels a label takes (a digit advances ~0.6 em and stands ~0.75 em tall)."""
+    pt_to_px = DPI / 72.0
+    if rotation:
+        return 0.75 * size * pt_to_px + 1.5
+    return 0.62 * size * pt_to_px * len(label) + 3
+
+
 def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int,
                  cell_devices: Sequence[int]) -> None:
-    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them.
-
-    Where boxes are too narrow (large T), every n-th micro-batch is labelled on a white patch
-    that may cover its neighbours, n the smallest power of two that leaves room for it.
+    """Micro-batch numbers inside the boxes wide (or, upright, tall) enough to hold them, and
+    where boxes are too narrow (large T) every n-th number on a white patch, n the smallest
+    power of two that leaves room for it; no label is drawn where it would overlap another
+    one of its row, so every number drawn can be read.
     """
     px_per_ms = ax.transData.transform((1.0, 0.0))[0] - ax.transData.transform((0.0, 0.0))[0]
     row_px = abs(ax.transData.transform((0.0, BAR_HEIGHT))[1]
                  - ax.transData.transform((0.0, 0.0))[1])
     widths = {b: (b.end_ns - b.start_ns) / 1e6 * px_per_ms for b in boxes}
-    needed_px = 0.62 * LABEL_FONT_PT * DPI / 72.0 * 2 + 6  # Two digits and a margin.
+    needed_px = _label_extent_px("00", NARROW_LABEL_FONT_PT, 0) + 3
     typical_px = float(np.median(list(widths.values())))
     stride = 2
     while stride * typical_px < needed_px and stride < 64:
         stride *= 2
+    inside, patched = [], []
     for b in boxes:
         label = trace_analysis.micro_batch_label(b.micro_batch)
-        center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
         placement = _label_placement(label, widths[b], row_px)
         if placement is not None:
-            ax.text(center_ms, _row(b, cell_devices), label, ha="center", va="center",
-                    fontsize=placement[0], rotation=placement[1], color="black",
-                    gid=f"{trace_analysis.box_name(b)} label", clip_on=True)
+            inside.append((b, label, placement))
         elif (b.micro_batch % stride == 0 or b.micro_batch == op_names.ALL_MICRO_BATCHES) \
                 and b.phase != trace_analysis.RECOMPUTE:
-            ax.text(center_ms, _row(b, cell_devices), label, ha="center", va="center",
-                    fontsize=NARROW_LABEL_FONT_PT, color="black", clip_on=True,
-                    gid=f"{trace_analysis.box_name(b)} label",
-                    bbox={"boxstyle": "round,pad=0.1", "facecolor": "white",
-                          "edgecolor": "none", "alpha": 0.85})
+            patched.append((b, label, (NARROW_LABEL_FONT_PT, 0)))
+    taken: dict[int, list[tuple[float, float]]] = {}
+    for group in (inside, patched):  # Labels inside their boxes first.
+        for b, label, (size, rotation) in sorted(group, key=lambda g: g[0].start_ns):
+            center_ms = ((b.start_ns + b.end_ns) / 2 - t0_ns) / 1e6
+            half = _label_extent_px(label, size, rotation) / 2 + 1
+            left, right = center_ms * px_per_ms - half, center_ms * px_per_ms + half
+            row = _row(b, cell_devices)
+            if any(left < end and start < right for start, end in taken.get(row, [])):
+                continue
+            taken.setdefault(row, []).append((left, right))
+            style = {} if group is inside else {"bbox": {
+                "boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none",
+                "alpha": 0.85}}
+            ax.text(center_ms, row, label, ha="center", va="center", fontsize=size,
+                    rotation=rotation, color="black", clip_on=True,
+                    gid=f"{trace_analysis.box_name(b)} label", **style)
 
 
 def _draw_breakdown(ax, breakdown: trace_analysis.Breakdown) -> None:
@@ -288,6 +309,7 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     if breakdown is not None:
         panels.append(("breakdown", 0.3))
     height_in = (sum(h for _, h in panels) + 0.6 * len(panels) + 1.2
+                 + (0.25 if len(cell_devices) > len(set(cell_devices)) else 0.0)
                  + (0.5 if breakdown is not None else 0.0))
     fig = Figure(figsize=(FIGURE_WIDTH_IN, height_in), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -305,6 +327,13 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     # has W boxes even where the measured step has none.
     handles = [Patch(color=PHASE_COLORS[p], label=PHASE_NAMES[p])
                for p in phases_present(list(measured) + list(predicted or []))]
+    # Light: the span of an action between its ops (its phase's colour, faded); hatched: a
+    # device's later cells (interleaved, zbv); grey: nothing of the pipeline runs.
+    handles.append(Patch(facecolor=PHASE_COLORS[trace_analysis.FORWARD], alpha=0.35,
+                         label="between its ops"))
+    if len(set(cell_devices)) < len(cell_devices):
+        handles.append(Patch(facecolor="#9e9e9e", hatch=STAGE_HATCHES[1], edgecolor="white",
+                             label="later cell"))
     handles.append(Patch(color=IDLE_COLOR, label="idle"))
     if predicted:
         ax = by_label["predicted"]
@@ -314,8 +343,8 @@ def gantt_figure(measured: Sequence[trace_analysis.Box], info: StepInfo,
     timelines = [ax for label, ax in by_label.items() if label != "breakdown"]
     timelines[-1].set_xlabel("time since the first pipeline op (ms)", fontsize=FONT_PT)
     timelines[-1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45),
-                         ncol=len(handles), fontsize=FONT_PT, frameon=False, handlelength=1.2,
-                         columnspacing=1.0)
+                         ncol=min(len(handles), LEGEND_COLUMNS), fontsize=FONT_PT,
+                         frameon=False, handlelength=1.2, columnspacing=1.0)
     if breakdown is not None:
         _draw_breakdown(by_label["breakdown"], breakdown)
     fig.draw_without_rendering()  # Fixes the layout, so box widths in pixels are known.

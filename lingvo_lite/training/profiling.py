@@ -9,8 +9,8 @@ tensorboard-plugin-profile package, opens it as run `train`), then reads the tra
     timeline the schedule simulator predicts under it, and the step's Figure 4 breakdown;
   - `pipeline/breakdown` (Text tab): that breakdown as a markdown table, with suggestions
     (`lingvo_lite.analysis.breakdown_advice`);
-  - `pipeline/<part>`: GPipe's Figure 4 breakdown of the step time, averaged over the profiled
-    steps (setup, compute, recompute, load_imbalance, bubble, weight_update, step_ms), and
+  - `pipeline/<part>`: GPipe's Figure 4 breakdown of each profiled step's time, one point per
+    step (setup, compute, recompute, load_imbalance, bubble, weight_update, step_ms), and
     `pipeline/device_<d>_busy`;
   - beside the trace: `pipeline_breakdown.json` (per-step values) and
     `pipeline_trace_<M>.json`, the last step's boxes as a Chrome trace-event file (Perfetto,
@@ -258,7 +258,8 @@ def write_trace(trace_dir: str, step: int, result: dict, report: Report) -> str:
 
 
 def write_summaries(writers, subdir: str, step: int, result: dict, report: Report) -> None:
-    """Writes the chart image, the breakdown text and the mean breakdown scalars at `step`."""
+    """Writes the chart image and the breakdown text at `step`, and the breakdown scalars of
+    every profiled step at that step."""
     import tensorflow as tf
 
     from lingvo_lite.analysis import gantt
@@ -272,6 +273,10 @@ def write_summaries(writers, subdir: str, step: int, result: dict, report: Repor
                          "schedule simulator's prediction from the measured mean durations, "
                          "and GPipe's Figure 4 breakdown.")
         tf.summary.text("pipeline/breakdown", report.markdown, step=step)
-        for name, value in result["mean"].items():
-            tf.summary.scalar(f"pipeline/{name}", value, step=step)
+        # One point per profiled step (a line over --profile_steps, not a single dot).
+        for values in result["steps"]:
+            point = int(values["step"]) if int(values["step"]) >= 0 else step
+            for name, value in values.items():
+                if name != "step":
+                    tf.summary.scalar(f"pipeline/{name}", value, step=point)
     writers.flush()
