@@ -353,3 +353,26 @@ def test_unread_second_output_of_a_node():
     x = rng.normal(size=(8, 4, 8)).astype("float32")
     check_step(model, "mse", x, rng.normal(size=(8, 4, 8)).astype("float32"), num_cells=2,
                num_micro_batches=2)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_fit_matches_plain(policy):
+    # float16: the loss scale of Keras' LossScaleOptimizer scales each micro-batch's loss;
+    # bfloat16: layers autocast as in Keras. One micro-batch: the same ops, the same weights.
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = batch(16)
+        check_fit(skip_model, "mse", x, y, "adam", num_cells=2, num_micro_batches=1)
+        # Two micro-batches: the weight gradients are summed from half-batch products
+        # computed in the low precision (bfloat16 eps 7.8e-3, float16 9.8e-4).
+        model = skip_model()
+        pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
+        pipelined.compile(optimizer="sgd", loss="mse")
+        model.compile(optimizer="sgd", loss="mse")
+        _, want = plain_loss_and_grads(model, x[:8], y[:8])
+        _, got = pipelined.loss_and_gradients(x[:8], y[:8])
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                       atol=8e-3 * float(np.abs(np.asarray(w)).max()) + 1e-6)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

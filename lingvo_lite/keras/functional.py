@@ -233,10 +233,6 @@ class FunctionalPipelinedModel(PipelinedModel):
         if loss_weights is not None:
             raise ValueError("PipelinedModel.compile: loss_weights are not supported for "
                              "functional models yet; scale the losses themselves.")
-        policy = keras.mixed_precision.dtype_policy()
-        if policy.compute_dtype != policy.variable_dtype:
-            raise ValueError(f"PipelinedModel.compile: mixed precision ('{policy.name}') is not "
-                             "supported for functional models yet; use 'float32'.")
         optimizer = keras.optimizers.get(optimizer)
         _check_sparse_gradients(self._hidden.plan, optimizer)
         self.pipeline.layers[-1].set_loss(loss)
@@ -296,9 +292,13 @@ class FunctionalPipelinedModel(PipelinedModel):
                            ) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """One pipelined step's loss and the gradients of `plain.trainable_variables` (in
         that order, which is the original model's); nothing is applied."""
+        def step(x: Any, y: Any, sample_weight: Any) -> tuple[Any, list[Any]]:
+            loss, gradients, _, _ = self._pipelined_step(x, y, sample_weight)
+            scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
+            return loss, [g / tf.cast(scale, g.dtype) for g in gradients]
+
         # Traced, as fit runs it (serial_devices=True can hang eagerly at K >= 3).
-        step = tf.function(lambda *args: self._pipelined_step(*args)[:2], autograph=False)
-        return step(x, y, sample_weight)
+        return tf.function(step, autograph=False)(x, y, sample_weight)
 
     def _pipelined_step(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
         """(loss, gradients, predictions, side updates to apply) of one training batch."""
@@ -306,18 +306,24 @@ class FunctionalPipelinedModel(PipelinedModel):
         inputs.y = self._to_map(y)
         if sample_weight is not None:
             inputs.sample_weight = self._to_map(sample_weight)
+        # Mixed-precision loss scaling (LossScaleOptimizer; 1 otherwise): as Keras scales the
+        # loss before its backward, the loss layer scales each micro-batch's loss, and
+        # apply_gradients unscales the gradients.
+        inputs.loss_scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         pipe = self.pipeline
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
             out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
         flat = grads.Flatten()
         gradients = [flat[i] for i in self._hidden.grad_index]
-        loss = out.loss
+        loss = out.loss / inputs.loss_scale
         for i, v in enumerate(self.plain.trainable_variables):
             if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
                 with tf.device(v.value.device), tf.GradientTape() as tape:
                     penalty = tf.cast(v.regularizer(v), loss.dtype)
-                gradients[i] = gradients[i] + tape.gradient(penalty, v.value)
+                    scaled = penalty * inputs.loss_scale
+                gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
+                                                      gradients[i].dtype)
                 loss = loss + penalty
         return (loss, gradients, self._to_keras(out.predictions, out.get("predictions_mask")),
                 collector)

@@ -322,7 +322,7 @@ class GraphOutputLayer(base_layer.BaseLayer):
         out = NestedMap(x=pack_outputs(self.params.outputs, inputs))
         if self.params.output_mask:
             out.x_mask = inputs[self.params.output_mask]
-        for key in ("y", "sample_weight"):
+        for key in ("y", "sample_weight", "loss_scale"):
             if inputs.get(key) is not None:
                 out[key] = inputs[key]
         return out
@@ -385,7 +385,7 @@ class GraphLossLayer(base_layer.BaseLayer):
                 set_keras_mask(x, mask)
                 out.loss_weight = tf.reduce_sum(tf.cast(mask, tf.float32))
             out.loss = self._one_loss(self._spec, inputs.y, x, inputs.get("sample_weight"))
-            return out
+            return self._scaled(out, inputs)
         names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
         weight = inputs.get("sample_weight")
         total = tf.constant(0.0)
@@ -400,6 +400,13 @@ class GraphLossLayer(base_layer.BaseLayer):
                 w = weight[name] if isinstance(weight, (dict, list)) else weight
                 total += self._one_loss(loss, inputs.y[name], inputs.x[name], w)
         out.loss = total
+        return self._scaled(out, inputs)
+
+    @staticmethod
+    def _scaled(out: NestedMap, inputs: NestedMap) -> NestedMap:
+        """The loss times the mixed-precision loss scale, if the step passes one."""
+        if inputs.get("loss_scale") is not None:
+            out.loss = out.loss * tf.cast(inputs.loss_scale, out.loss.dtype)
         return out
 
     @staticmethod
