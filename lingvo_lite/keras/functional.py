@@ -15,10 +15,11 @@ reads them there, so the gradient contributions of every call flow back through 
 and are summed into the one variable by the same backward that carries activations.
 
 `FunctionalPipelinedModel` trains it with `compile`/`fit` (several inputs and outputs as
-the model declares them: dicts or lists; one loss per output), `predict` returns the
-model's outputs, and `get_weights`/`set_weights`/`save_weights` use the original model's
-layout. `partition_report()` adds the tensors each cut carries and their bytes per
-micro-batch to the partition table.
+the model declares them: dicts or lists; one loss per output; Keras masks carried beside
+their tensors; mixed precision), `predict` returns the model's outputs, and
+`get_weights`/`set_weights`/`save_weights` use the original model's layout.
+`partition_report()` adds the tensors each cut carries and their bytes per micro-batch to
+the partition table.
 
 Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
     >>> import keras
