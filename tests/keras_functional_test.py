@@ -97,11 +97,11 @@ def plain_loss_and_grads(model: keras.Model, x, y):
     return loss, tape.gradient(loss, model.trainable_variables)
 
 
-def check_step(model: keras.Model, loss, x, y, **pipeline) -> float:
+def check_step(model: keras.Model, loss, x, y, loss_weights=None, **pipeline) -> float:
     """Asserts the pipelined loss and gradients equal the plain model's; the max diff."""
     pipelined = PipelinedModel(model, **pipeline)
-    pipelined.compile(optimizer="sgd", loss=loss)
-    model.compile(optimizer="sgd", loss=loss)
+    pipelined.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
+    model.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
     want_loss, want = plain_loss_and_grads(model, x, y)
     got_loss, got = pipelined.loss_and_gradients(x, y)
     assert abs(float(got_loss) - float(want_loss)) < 1e-5
@@ -166,6 +166,14 @@ def test_cut_report_names_the_skip_tensors_and_bytes():
 def test_several_inputs_and_outputs_as_dicts():
     x, y = dict_batch()
     check_step(two_in_two_out_model(), DICT_LOSS, x, y, num_cells=2, num_micro_batches=2)
+    check_step(two_in_two_out_model(), DICT_LOSS, x, y, num_cells=2, num_micro_batches=2,
+               loss_weights={"score": 3.0, "cls": 0.5})
+    check_step(skip_model(), "mse", *batch(), num_cells=2, num_micro_batches=2,
+               loss_weights=[2.5])
+    with pytest.raises(ValueError, match=r"^PipelinedModel.compile: loss names outputs "
+                                         r"\['scor'\]; the model's outputs are "
+                                         r"\['cls', 'score'\]\.$"):
+        PipelinedModel(two_in_two_out_model()).compile(loss={"scor": "mse", "cls": "mse"})
     model = two_in_two_out_model()
     pipelined = PipelinedModel(model, num_cells=3, num_micro_batches=4)
     got, want = pipelined.predict(x, verbose=0), model.predict(x, verbose=0)
@@ -303,8 +311,6 @@ def test_refusals_are_one_line():
     overridden = _CallOverridden(inp, keras.layers.Dense(2)(inp))
     assert "_CallOverridden overrides call()" in refusal(lambda: PipelinedModel(overridden))
     pipelined = PipelinedModel(skip_model(), num_cells=2)
-    assert "loss_weights are not supported" in refusal(
-        lambda: pipelined.compile(loss="mse", loss_weights=[2.0]))
     assert "jit_compile=True is not supported" in refusal(
         lambda: pipelined.compile(loss="mse", jit_compile=True))
     assert "loss reduction 'sum' is not supported" in refusal(

@@ -225,22 +225,32 @@ class FunctionalPipelinedModel(PipelinedModel):
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 jit_compile: Any = "auto", **kwargs: Any) -> None:
-        """`keras.Model.compile`: one loss, or one per output (a list or a dict by name)."""
+        """`keras.Model.compile`: one loss, or one per output (a list or a dict by name), and
+        `loss_weights` in the same forms."""
         if jit_compile is True:
             raise ValueError(
                 "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
                 "step for one device, and the pipeline places each cell on its own); leave "
                 "jit_compile='auto' or False.")
-        if loss_weights is not None:
-            raise ValueError("PipelinedModel.compile: loss_weights are not supported for "
-                             "functional models yet; scale the losses themselves.")
         optimizer = keras.optimizers.get(optimizer)
         _check_sparse_gradients(self._hidden.plan, optimizer)
-        self.pipeline.layers[-1].set_loss(loss)
+        self.pipeline.layers[-1].set_loss(self._by_map_name(loss, "loss"),
+                                          self._by_map_name(loss_weights, "loss_weights"))
         keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
                             **kwargs)
 
     # -- inputs and outputs in the model's structures --------------------------
+
+    def _by_map_name(self, setting: Any, what: str) -> Any:
+        """A compile setting given by output name, keyed by the map's output names."""
+        names = self._hidden.plan.output_names
+        if not isinstance(setting, dict) or not names:
+            return setting
+        unknown = sorted(set(setting) - set(names.values()))
+        if unknown:
+            raise ValueError(f"PipelinedModel.compile: {what} names outputs {unknown}; the "
+                             f"model's outputs are {sorted(names.values())}.")
+        return {safe: setting.get(name) for safe, name in names.items()}
 
     def _input_map(self, x: Any) -> NestedMap:
         flat = self.plain._standardize_inputs(x)

@@ -335,6 +335,16 @@ class GraphOutputLayer(base_layer.BaseLayer):
         return base_layer.fprop_meta(0.0, out, 0, p.dtype)
 
 
+def _entry(setting: Any, name: Any, index: int) -> Any:
+    """One output's entry of a compile setting: by name (dict), position (list) or shared."""
+    if isinstance(setting, dict):
+        return setting.get(name) if name in setting or len(setting) != 1 else \
+            next(iter(setting.values()))
+    if isinstance(setting, (list, tuple)):
+        return setting[index]
+    return setting
+
+
 class GraphLossLayer(base_layer.BaseLayer):
     """The compiled loss on the model's outputs: NestedMap(x, y[, sample_weight]) -> loss.
 
@@ -348,9 +358,10 @@ class GraphLossLayer(base_layer.BaseLayer):
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
         super().__init__(params)
         self._spec: Any = None
+        self._weights: Any = None
 
-    def set_loss(self, loss: Any) -> None:
-        """Uses `loss` (any form `compile(loss=...)` takes) from now on."""
+    def set_loss(self, loss: Any, loss_weights: Any = None) -> None:
+        """Uses `loss` and `loss_weights` (any form `compile` takes) from now on."""
         for entry in tree.flatten(loss) if isinstance(loss, (dict, list, tuple)) else [loss]:
             if entry is None:
                 continue
@@ -360,6 +371,7 @@ class GraphLossLayer(base_layer.BaseLayer):
                     f"PipelinedModel: loss reduction {reduction!r} is not supported for "
                     "functional models yet; use the default 'sum_over_batch_size'.")
         self._spec = loss
+        self._weights = loss_weights
 
     @property
     def loss(self) -> Any:
@@ -385,20 +397,20 @@ class GraphLossLayer(base_layer.BaseLayer):
                 set_keras_mask(x, mask)
                 out.loss_weight = tf.reduce_sum(tf.cast(mask, tf.float32))
             out.loss = self._one_loss(self._spec, inputs.y, x, inputs.get("sample_weight"))
+            weight = _entry(self._weights, "", 0)
+            if weight is not None:
+                out.loss = out.loss * float(weight)
             return self._scaled(out, inputs)
         names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
         weight = inputs.get("sample_weight")
         total = tf.constant(0.0)
         for i, name in enumerate(names):
-            if isinstance(self._spec, dict):
-                loss = self._spec.get(name)
-            elif isinstance(self._spec, (list, tuple)):
-                loss = self._spec[i]
-            else:
-                loss = self._spec
+            loss = _entry(self._spec, name, i)
             if loss is not None:
                 w = weight[name] if isinstance(weight, (dict, list)) else weight
-                total += self._one_loss(loss, inputs.y[name], inputs.x[name], w)
+                one = self._one_loss(loss, inputs.y[name], inputs.x[name], w)
+                factor = _entry(self._weights, name, i)
+                total += one if factor is None else one * float(factor)
         out.loss = total
         return self._scaled(out, inputs)
 
