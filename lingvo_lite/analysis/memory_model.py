@@ -9,12 +9,10 @@ whose device walks the actions of all of them in its own order):
 * gradients, followed through the device's order: a cell's weight gradients exist from its
   first backward, and their sum stays until the step's update; with T > 1, while the cell's
   backwards (or split backward's W) run, the next micro-batch's gradients stand beside the
-  running sums (measured on weight-heavy dense layers at K = 1, 2, 4: sums + one new gradient
-  per weight at T = 4 and 8, the sums alone at T = 1). The update adds nothing: the optimizers
-  write in place (fused kernels), after the cell's last input gradient, so no read of the
-  weight is alive to force a copy. A device of the interleaved schedule that finishes one
-  cell's backwards before it starts the next's never holds both cells' new gradients
-  (weight-heavy, K = 2, v = 2, T = 2: device 0 runs `2B0 2B1 0B0 0B1`, BENCHMARKS.md 9d);
+  running sums (the sums alone at T = 1). The update adds nothing: the optimizers write in
+  place (fused kernels), after the cell's last input gradient, so no read of the weight is
+  alive to force a copy. A device that finishes one cell's backwards before it starts the
+  next's never holds both cells' new gradients;
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
   (SGD with momentum 1, Adam 2 (and a step count), RMSProp 2, plain SGD 0);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
@@ -25,9 +23,7 @@ whose device walks the actions of all of them in its own order):
   boundary copy of its input, or all its saved activations when its backward does not
   recompute (the same decision as `remat.recomputed_actions`), with the input copy too unless
   the cell's first layer's saved bytes cover what its backward reads of it
-  (`layer_memory.saved_covers_input`: an AmoebaNet cell's first op, a ReLU, overwrites the
-  received buffer in place, and a Transformer block's gradients read only tensors made from
-  its input; a dense layer's weight gradient reads the input itself); plus the working set of the
+  (`layer_memory.saved_covers_input`); plus the working set of the
   running action (of the cell it belongs to): one
   micro-batch's saved activations (being produced by a forward, or re-produced by a
   recomputing backward), its activation gradients (the received output gradient, and while
@@ -54,25 +50,10 @@ whose device walks the actions of all of them in its own order):
   among what it re-computed. The batched W concatenates all T micro-batches' records, one more copy
   while it runs.
 
-Saved activations per layer are `layer_memory.saved_activation_bytes(meta)`: the layer's own
-estimate, else its output bytes (`DEFAULT_SAVED_ACTIVATION_FACTOR`). Dense layers keep 1x their
-output; the Transformer's layers and AmoebaNet cells count the tensors their ops' gradients
-read, each once (layer norm: the centred and the normalised input and 1 / std; attention: its
-input, Q, K, V, the float32 probabilities and the context; feed-forward: its input and hidden
-activation; AmoebaNet: a ReLU's output, a convolution's or batch norm's input, a max pool's
-input and output), checked against TensorFlow's gradient graphs in
-tests/transformer_saved_bytes_test.py and tests/amoebanet_saved_bytes_test.py. Gradient
-temporaries per layer are the layer's `backward_temporary_bytes` and
-`inline_backward_temporary_bytes` (AmoebaNet layers: walked op by op over the cell's wiring,
-a value read by several ops holding all their gradients until summed, `_wiring.ShapeWiring.
-backward_temporaries`; attention: two float32
-probability tensors, less what its backward has freed by then; composite layers (the
-registered Transformer's, `SequentialLayer`): their largest sub-layer's, as they back-propagate
-one sub-layer after another; the Transformer's softmax: the logits and the smoothed targets),
-else the default of
-`layer_memory.backward_temporary_bytes`. Measured against per-device BFC peaks (one process per
-device, `bench/device_memory.py`) in `bench/memory_model_check.py` and
-`tests/memory_model_test.py`.
+Per layer, the saved activations and gradient temporaries are what the layer's
+`layer_memory.MemoryRecord` declares, else that module's defaults (`layer_memory` says how
+composite layers combine their children's). How well the model predicts measured peaks:
+BENCHMARKS.md figure 9 (`bench/memory_model_check.py`).
 
 >>> from lingvo_lite.analysis import memory_model
 >>> from lingvo_lite.pipeline import partition, schedule
