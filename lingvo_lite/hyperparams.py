@@ -178,6 +178,8 @@ def _segments(node: ast.AST) -> list[str]:
 _MOVED_MODULES = {
     "lingvo_lite.lr_schedule": "lingvo_lite.learning_rate",
     "lingvo_lite.pipeline.timeline": "lingvo_lite.analysis.trace_analysis",
+    "lingvo_lite.layers.keras_layer": "lingvo_lite.keras.keras_layer",
+    "lingvo_lite.layers.keras_loss": "lingvo_lite.keras.keras_loss",
 }
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite import fprop_context, hyperparams
-from lingvo_lite.layers import keras_flops, keras_layer
+from lingvo_lite.keras import keras_flops, keras_layer
 from lingvo_lite.nested_map import NestedMap
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite.keras import PipelinedModel, pipeline_params
-from lingvo_lite.layers.keras_loss import KerasLossLayer, serialize_loss
+from lingvo_lite.keras.keras_loss import KerasLossLayer, serialize_loss
 from lingvo_lite.nested_map import NestedMap
 
 N, D, CLASSES = 8, 5, 3

@@ -26,8 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import PipelinedModel
-from lingvo_lite.layers import keras_layer
+from lingvo_lite.keras import PipelinedModel, keras_layer
 
 N, D, CLASSES = 8, 6, 4
 RATE, MOMENTUM, SEED = 0.25, 0.8, 7

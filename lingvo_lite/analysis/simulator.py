@@ -7,7 +7,7 @@ transfer time when the dependency ran on another device). In a schedule that spl
 backward (zero-bubble), B takes the input-gradient share of the backward and W the weight
 gradient share; re-computation, when re-materialising, is part of B. The result is when each
 action starts and ends, the step time, and GPipe's Figure 4 breakdown (compute, recompute,
-load imbalance, bubble) as `trace_analysis.Breakdown` defines it for measured steps, so prediction
+load imbalance, bubble) as `boxes.Breakdown` defines it for measured steps, so prediction
 and measurement read the same way.
 
 It costs O(K x T) after the schedule's own ordering, so K = 128 cells and T = 512
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from lingvo_lite.analysis import trace_analysis
+from lingvo_lite.analysis import boxes
 from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
@@ -152,14 +152,14 @@ class SimulatedStep:
                              f"0..{self.num_devices - 1}.")
         return self.schedule.device_orders()[device]
 
-    def breakdown(self) -> trace_analysis.Breakdown:
+    def breakdown(self) -> boxes.Breakdown:
         """GPipe's Figure 4 split of the step, per device (as a measured step's is defined)."""
         k = self.num_devices
         step = max(self.step_time, 1e-30)
         pipe = max(self.pipeline_time, 1e-30)
         busy = [self.device_busy_time(d) for d in range(k)]
         mean_busy, mean_rec = sum(busy) / k, sum(self.recompute_time) / k
-        return trace_analysis.Breakdown(
+        return boxes.Breakdown(
             step_ns=int(round(self.step_time * 1e9)),
             setup=self.setup_time / step,
             compute=(mean_busy - mean_rec) / step,

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+from lingvo_lite.analysis import boxes
 from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
 
 __all__ = [
@@ -57,9 +58,9 @@ __all__ = [
     "WEIGHT",
 ]
 
-FORWARD, RECOMPUTE, BACKWARD = op_names.FORWARD, op_names.RECOMPUTE, op_names.BACKWARD
-WEIGHT = op_names.WEIGHT  # The weight gradient of a split backward (zero-bubble).
-PHASES = (FORWARD, RECOMPUTE, BACKWARD, WEIGHT)
+# Boxes, phases and the breakdown live in `boxes` (the simulator makes them too); re-exported.
+FORWARD, RECOMPUTE, BACKWARD, WEIGHT = boxes.FORWARD, boxes.RECOMPUTE, boxes.BACKWARD, boxes.WEIGHT
+PHASES = boxes.PHASES
 STEP_TRACE_NAME = "profiled_step"
 _TRANSFER_OPS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Ops that do no work: a variable read under a cell's scope may run at the very start of the
@@ -78,66 +79,8 @@ class OpEvent:
     end_ns: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Box:
-    """The ops of one action phase: F, R (re-computation), B or W of micro-batch t on cell k
-    (t = `op_names.ALL_MICRO_BATCHES` for the batched weight gradient of all of them)."""
-
-    cell: int
-    phase: str
-    micro_batch: int
-    start_ns: int
-    end_ns: int
-    busy_ns: int  # Union of the ops' intervals: time some op of this box was running.
-    num_ops: int
-    segments: tuple[tuple[int, int], ...] = ()  # That union, as disjoint [start, end) runs.
-
-
-def micro_batch_label(micro_batch: int) -> str:
-    """'3', or 'all' for the batched weight gradient (`op_names.ALL_MICRO_BATCHES`)."""
-    return "all" if micro_batch == op_names.ALL_MICRO_BATCHES else str(micro_batch)
-
-
-def box_name(box: Box) -> str:
-    """The name one action phase goes by in charts and traces, e.g. 'F cell 1 mb 3' (the
-    batched weight gradient: 'W cell 1 mb all')."""
-    return f"{box.phase} cell {box.cell} mb {micro_batch_label(box.micro_batch)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Breakdown:
-    """GPipe Figure 4: where the step time went, as fractions of `step_ns` (they sum to 1).
-
-    Within the pipelined phase (first to last cell op), each device d is busy (some op of its
-    cell runs) for busy_d. The slowest device bounds the pipeline: time the busiest device is
-    idle too is `bubble` (fill/drain and dependency waits); the extra idle time of the others,
-    max(busy) - busy_d, is `load_imbalance`. Both are averaged over devices, as are `compute`
-    (forward and backward) and `recompute`. `device_busy` is each device's busy fraction of the
-    whole step, and `device_idle_in_pipeline` its idle fraction of the pipelined phase (the
-    quantity GPipe's bubble bound (K-1)/(T+K-1) describes).
-    """
-
-    step_ns: int
-    setup: float
-    compute: float
-    recompute: float
-    load_imbalance: float
-    bubble: float
-    weight_update: float
-    device_busy: tuple[float, ...]
-    device_idle_in_pipeline: tuple[float, ...]
-
-    def as_scalars(self, prefix: str = "pipeline/") -> dict[str, float]:
-        """Flat name -> value, for TensorBoard scalars and JSON."""
-        out = {f"{prefix}{name}": float(getattr(self, name))
-               for name in ("setup", "compute", "recompute", "load_imbalance", "bubble",
-                            "weight_update")}
-        out[f"{prefix}step_ms"] = self.step_ns / 1e6
-        for d, value in enumerate(self.device_busy):
-            out[f"{prefix}device_{d}_busy"] = value
-        for d, value in enumerate(self.device_idle_in_pipeline):
-            out[f"{prefix}device_{d}_idle_in_pipeline"] = value
-        return out
+Box, Breakdown, box_name, micro_batch_label = (boxes.Box, boxes.Breakdown, boxes.box_name,
+                                               boxes.micro_batch_label)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,20 +243,7 @@ def _function_runs(sched: schedule.Schedule, remat_mode: str,
 _INLINE_FORWARD = re.compile(r"cell_\d+/fprop_mb_\d+/fprop/")
 
 
-def merge_intervals(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The union of [start, end) intervals as sorted, disjoint runs."""
-    runs: list[list[int]] = []
-    for start, end in sorted(intervals):
-        if runs and start <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], end)
-        else:
-            runs.append([start, end])
-    return [(a, b) for a, b in runs]
-
-
-def union_ns(intervals: Iterable[tuple[int, int]]) -> int:
-    """Total length of the union of [start, end) intervals."""
-    return sum(b - a for a, b in merge_intervals(intervals))
+merge_intervals, union_ns = boxes.merge_intervals, boxes.union_ns
 
 
 def boxes_from_events(events: Sequence[OpEvent],

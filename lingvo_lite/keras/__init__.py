@@ -1,11 +1,16 @@
 """Keras models on the pipeline: `PipelinedModel` trains a Keras layer stack with `fit`.
 
+`KerasLayer` (a Keras layer as a lingvo-lite layer) and `KerasLossLayer` (the compiled loss)
+are the adapters it is built from; `functional` cuts a functional model into them.
+
 `pipeline_params` and `KerasTask` turn the same layers into a model for `trainer.py`
 (model_params/keras_digits.py). Importing this package loads Keras and registers
 `PipelinedModel` with Keras' serialization (so `keras.models.load_model` finds it).
 """
 
+from lingvo_lite.keras.keras_layer import KerasLayer
+from lingvo_lite.keras.keras_loss import KerasLossLayer
 from lingvo_lite.keras.keras_task import KerasTask
 from lingvo_lite.keras.pipelined_model import PipelinedModel, pipeline_params
 
-__all__ = ["KerasTask", "PipelinedModel", "pipeline_params"]
+__all__ = ["KerasLayer", "KerasLossLayer", "KerasTask", "PipelinedModel", "pipeline_params"]

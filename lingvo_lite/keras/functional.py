@@ -48,10 +48,9 @@ from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import graph_layer
+from lingvo_lite.keras import graph_layer, keras_layer
 from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
 from lingvo_lite.keras.pipelined_model import PipelinedModel, _check_regularizers, _Hidden
-from lingvo_lite.layers import keras_layer
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 

@@ -44,7 +44,7 @@ from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory
-from lingvo_lite.layers import keras_flops, keras_layer, keras_loss
+from lingvo_lite.keras import keras_flops, keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",

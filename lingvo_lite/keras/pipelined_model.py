@@ -69,7 +69,7 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.layers import keras_layer, keras_loss
+from lingvo_lite.keras import keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 

@@ -33,8 +33,6 @@ _EXPORTS = {
     "FieldLayer": "lingvo_lite.layers.structural",
     "FieldsLayer": "lingvo_lite.layers.structural",
     "IdentityLayer": "lingvo_lite.layers.structural",
-    "KerasLayer": "lingvo_lite.layers.keras_layer",
-    "KerasLossLayer": "lingvo_lite.layers.keras_loss",
 }
 
 __all__ = list(_EXPORTS)

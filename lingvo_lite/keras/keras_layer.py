@@ -55,7 +55,7 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
-from lingvo_lite.layers import keras_flops, keras_random
+from lingvo_lite.keras import keras_flops, keras_random
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
 
