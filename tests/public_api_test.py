@@ -113,6 +113,7 @@ if __name__ == "__main__":
 _LEVELS = ("params", "layers", "pipeline", "tasks", "analysis", "trainer")
 _LEVEL_OF_MODULE = {
     "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
+    "progress": "params",
     "base_layer": "layers", "layer_memory": "layers", "weight_params": "layers",
     "fprop_context": "layers",
     "devices": "layers", "colocation": "layers", "layers": "layers",

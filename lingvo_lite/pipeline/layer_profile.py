@@ -56,7 +56,7 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from lingvo_lite import base_layer, fprop_context, hyperparams
+from lingvo_lite import base_layer, fprop_context, hyperparams, progress
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import placement, step_layout, tf_private
 
@@ -478,7 +478,8 @@ def _measure_layers(p: hyperparams.Params, device: str | None, key: dict[str, An
     names = key["layer_names"]
     specs = _input_specs(_micro_batch_shapes(p), tf.as_dtype(p.fprop_dtype or p.dtype))
     timings = []
-    with tf.device(device) if device else contextlib.nullcontext():
+    bar = progress.ProgressBar(len(p.layers), "Timing layers for the partition")
+    with tf.device(device) if device else contextlib.nullcontext(), bar:
         x = _synthetic_input(specs)
         for i, lp in enumerate(p.layers):
             q = lp.Copy()
@@ -496,6 +497,7 @@ def _measure_layers(p: hyperparams.Params, device: str | None, key: dict[str, An
                     "input_shapes leaves as tf.TensorSpec with their dtypes, or use "
                     "partition_cost='flops'.") from e
             timings.append(LayerTiming(names[i], fwd, fwd_bwd))
+            bar.advance()
             del layer
     return LayerProfile(key=key, layers=tuple(timings))
 
