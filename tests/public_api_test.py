@@ -132,52 +132,45 @@ def _level(module_name: str) -> str | None:
     return _LEVEL_OF_MODULE[parts[1]]
 
 
+def _imported_names(path: str) -> list[str]:
+    """Every module (and `module.name`) a file imports, read from its syntax tree."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _library_files(skip_init: bool = False) -> list[tuple[str, str]]:
+    """(path, path relative to lingvo_lite/) of every Python file of the library."""
+    root = os.path.dirname(lingvo_lite.__file__)
+    return [(os.path.join(d, n), os.path.relpath(os.path.join(d, n), root))
+            for d, _, files in os.walk(root) for n in files
+            if n.endswith(".py") and not (skip_init and n == "__init__.py")]
+
+
 class LayeringTest(unittest.TestCase):
 
     def test_no_module_imports_from_a_level_above_its_own(self):
-        root = os.path.dirname(lingvo_lite.__file__)
         upward = []
-        for directory, _, files in os.walk(root):
-            for name in files:
-                if not name.endswith(".py") or name == "__init__.py":
-                    continue  # Package __init__s only name their exports (lazily).
-                path = os.path.join(directory, name)
-                module = "lingvo_lite." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-                own = _LEVELS.index(_level(module))
-                with open(path) as f:
-                    tree = ast.parse(f.read())
-                for node in ast.walk(tree):
-                    names = []
-                    if isinstance(node, ast.Import):
-                        names = [a.name for a in node.names]
-                    elif isinstance(node, ast.ImportFrom) and node.module:
-                        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                    for imported in names:
-                        level = _level(imported)
-                        if level is not None and _LEVELS.index(level) > own:
-                            upward.append(f"{module} ({_LEVELS[own]}) imports {imported} "
-                                          f"({level})")
+        # Package __init__s only name their exports (lazily).
+        for path, rel in _library_files(skip_init=True):
+            module = "lingvo_lite." + rel[:-3].replace(os.sep, ".")
+            own = _LEVELS.index(_level(module))
+            for imported in _imported_names(path):
+                level = _level(imported)
+                if level is not None and _LEVELS.index(level) > own:
+                    upward.append(f"{module} ({_LEVELS[own]}) imports {imported} ({level})")
         self.assertEqual([], upward)
 
     def test_the_runtime_never_imports_analysis(self):
         # Two houses: what a training step needs, and prediction/observation on top of it.
-        root = os.path.dirname(lingvo_lite.__file__)
-        offending = []
-        for directory, _, files in os.walk(root):
-            if os.path.relpath(directory, root).split(os.sep)[0] in ("analysis", "training"):
-                continue
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(directory, name)
-                with open(path) as f:
-                    tree = ast.parse(f.read())
-                for node in ast.walk(tree):
-                    names = []
-                    if isinstance(node, ast.Import):
-                        names = [a.name for a in node.names]
-                    elif isinstance(node, ast.ImportFrom) and node.module:
-                        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                    if any(n.startswith("lingvo_lite.analysis") for n in names):
-                        offending.append(os.path.relpath(path, root))
+        offending = [rel for path, rel in _library_files()
+                     if rel.split(os.sep)[0] not in ("analysis", "training")
+                     and any(n.startswith("lingvo_lite.analysis")
+                             for n in _imported_names(path))]
         self.assertEqual([], offending)
