@@ -50,7 +50,12 @@ from keras.src.backend.common.masking import set_keras_mask
 from lingvo_lite import fprop_context
 from lingvo_lite.keras import graph_layer, keras_layer
 from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
-from lingvo_lite.keras.pipelined_model import PipelinedModel, _check_regularizers, _Hidden
+from lingvo_lite.keras.pipelined_model import (
+    PipelinedModel,
+    _add_weight_penalties,
+    _check_regularizers,
+    _Hidden,
+)
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
@@ -327,14 +332,8 @@ class FunctionalPipelinedModel(PipelinedModel):
         flat = grads.Flatten()
         gradients = [flat[i] for i in self._hidden.grad_index]
         loss = out.loss / inputs.loss_scale
-        for i, v in enumerate(self.plain.trainable_variables):
-            if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
-                with tf.device(v.value.device), tf.GradientTape() as tape:
-                    penalty = tf.cast(v.regularizer(v), loss.dtype)
-                    scaled = penalty * inputs.loss_scale
-                gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
-                                                      gradients[i].dtype)
-                loss = loss + penalty
+        loss = _add_weight_penalties(self.plain.trainable_variables, gradients, loss,
+                                     inputs.loss_scale)
         return (loss, gradients, self._to_keras(out.predictions, out.get("predictions_mask")),
                 collector)
 

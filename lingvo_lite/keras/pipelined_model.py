@@ -409,14 +409,8 @@ class PipelinedModel(keras.Model):
         gradients = [flat[i] if i is not None else next(front_grads)
                      for i in self._hidden.grad_index]
         loss = out.loss / inputs.loss_scale
-        for i, v in enumerate(self.plain.trainable_variables):
-            if v.regularizer is not None:  # Weight penalties: functions of the weights alone.
-                with tf.device(v.value.device), tf.GradientTape() as tape:
-                    penalty = tf.cast(v.regularizer(v), loss.dtype)
-                    scaled = penalty * inputs.loss_scale
-                gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
-                                                      gradients[i].dtype)
-                loss = loss + penalty
+        loss = _add_weight_penalties(self.plain.trainable_variables, gradients, loss,
+                                     inputs.loss_scale)
         predictions = _with_mask(out.predictions, out.get("predictions_mask"))
         return loss, gradients, predictions, collector
 
@@ -526,6 +520,22 @@ def _with_mask(predictions: tf.Tensor, mask: Any) -> tf.Tensor:
         predictions = tf.identity(predictions)
         set_keras_mask(predictions, mask)
     return predictions
+
+
+def _add_weight_penalties(variables: Sequence[Any], gradients: list[Any], loss: Any,
+                          loss_scale: Any) -> Any:
+    """Adds each weight regularizer's penalty to `loss` and its gradient to `gradients[i]`
+    (in place; penalties are functions of the weights alone, computed on their devices);
+    returns the loss. `loss_scale` is mixed float16's scale, 1 otherwise."""
+    for i, v in enumerate(variables):
+        if v.regularizer is not None:
+            with tf.device(v.value.device), tf.GradientTape() as tape:
+                penalty = tf.cast(v.regularizer(v), loss.dtype)
+                scaled = penalty * loss_scale
+            gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
+                                                  gradients[i].dtype)
+            loss = loss + penalty
+    return loss
 
 
 def _input_shape_of(layers: Any) -> tuple[int, ...]:
