@@ -33,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,17 +65,17 @@ class Cluster:
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> Cluster:
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
-        for i in range(self.num_workers):
-            self._procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), ",".join(self.addresses), str(i),
-                 str(self._inter)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True, env=env))
+        # A port found free can be taken by another process before the worker binds it (other
+        # tests start servers too): a worker that fails to start is retried on fresh ports.
+        for attempt in range(3):
+            failure = self._start_workers()
+            if failure is None:
+                break
+            self.__exit__(None, None, None)
+            if attempt == 2:
+                raise RuntimeError(f"a memory worker failed to start: {failure}")
+            self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(self.num_workers)]
         try:
-            for proc in self._procs:
-                if proc.stdout.readline().strip() != "ready":
-                    raise RuntimeError("a memory worker failed to start")
             import tensorflow as tf
             from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
@@ -86,6 +87,29 @@ class Cluster:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _start_workers(self) -> str | None:
+        """Starts the workers; None when all are ready, else the last lines of the failed one."""
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3")
+        logs = []
+        for i in range(self.num_workers):
+            logs.append(tempfile.TemporaryFile("w+"))  # Not a pipe: a full pipe would block.
+            self._procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), ",".join(self.addresses), str(i),
+                 str(self._inter)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[-1], text=True,
+                env=env))
+        try:
+            for proc, log in zip(self._procs, logs):
+                if proc.stdout.readline().strip() != "ready":
+                    proc.kill()
+                    proc.communicate()
+                    log.seek(0)
+                    return " | ".join(log.read().strip().splitlines()[-3:]) or "no output"
+            return None
+        finally:
+            for log in logs:
+                log.close()
 
     def __exit__(self, *exc: object) -> None:
         for proc in self._procs:
