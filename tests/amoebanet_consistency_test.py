@@ -1,7 +1,7 @@
 """GPipe's consistent-training claim at small scale: K does not change the loss curve.
 
-The default digits model is trained for a few optimizer steps with K = 1, 2 and 4 cells and the
-same seed and T. Weights start bit-identical (they are seeded by layer path, which does not
+The default digits model is trained for a few optimizer steps with K = 1 and 4 cells and the
+same seed and T (K = 2 is the registered model's own setting, checked by equivalence tests). Weights start bit-identical (they are seeded by layer path, which does not
 depend on the partition), dropout and drop-path masks depend on the example's position in the
 mini-batch, and batch norm uses the same micro-batches, so the losses may differ only by float32
 summation order. Tolerance: rtol 1e-4 after 5 Adam steps (measured differences are ~1e-6).
@@ -40,6 +40,6 @@ class ConsistentTrainingTest(tf.test.TestCase):
     def test_loss_curve_independent_of_num_cells(self):
         reference = train_losses(num_cells=1)
         self.assertLess(reference[-1], reference[0])  # It is really training.
-        for num_cells in (2, 4):
+        for num_cells in (4,):
             with self.subTest(num_cells=num_cells):
                 self.assertAllClose(reference, train_losses(num_cells), rtol=1e-4)

@@ -1,8 +1,6 @@
 """check_equivalence passes on every registered image model at two settings of K, T and schedule.
 
-To keep each file under a minute, half the image models are checked here and half in
-equivalence_image_models_test.py, the translation models in equivalence_mt_models_test.py (both
-use this file's helpers).
+The translation models are checked in equivalence_mt_models_test.py (with this file's helpers).
 
 The small models (image.AmoebaNetDigits, mt.TransformerSmall) run as registered. GPipe's ImageNet
 AmoebaNets and T(L, H, A) Transformers are far too large for a CPU test and their data
@@ -10,6 +8,9 @@ AmoebaNets and T(L, H, A) Transformers are far too large for a CPU test and thei
 architecture (variant, stem, aux head, dropout and drop-path rates, label smoothing, shared
 embeddings) and shrinks only sizes and data: 80x80 digits as 3-channel images, F=8, L=1 for the
 AmoebaNets; the generated en-de corpus, model dim 16 and L <= 2 for the Transformers.
+Shrunk, several registered models become the same configuration (the AmoebaNet-D family differs
+only in L, F and K, which the shrinking and the settings replace): each distinct configuration is
+checked once, under the first of its names, and the test names the others it stands for.
 Both sides run eagerly (`use_tf_function=False`) to skip tracing; tests/equivalence_test.py runs
 the traced path through trainer.py.
 """
@@ -53,20 +54,34 @@ def _small(name: str) -> model_registry.SingleTaskModelParams:
     return cls()
 
 
-def registered(prefix: str) -> list[str]:
-    return sorted(n for n in model_registry.list_models() if n.startswith(prefix))
+def _configured(name: str, num_cells: int, num_micro_batches: int, schedule: str):
+    task_p = _small(name).Model()
+    model_config.set_pipeline_fields(task_p, num_cells=num_cells,
+                                     num_micro_batches=num_micro_batches)
+    for _, pipeline in model_config.iter_pipelining_params(task_p):
+        pipeline.schedule = schedule
+    return task_p
+
+
+def distinct_registered(prefix: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, names with the same configuration) for each distinct shrunk and configured model.
+
+    Two names are the same test when their task params, at every setting, have the same text.
+    """
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in sorted(n for n in model_registry.list_models() if n.startswith(prefix)):
+        key = tuple(_configured(name, *setting).ToText() for setting in SETTINGS)
+        groups.setdefault(key, []).append(name)
+    return [(names[0], tuple(names[1:])) for names in groups.values()]
 
 
 class CheckAllSettings:
 
-    def check_all_settings(self, name: str) -> None:
-        model = _small(name)
+    def check_all_settings(self, name: str, same_as: tuple[str, ...] = ()) -> None:
+        if same_as:
+            print(f"{name} also checks {', '.join(same_as)} (the same shrunk configuration)")
         for num_cells, num_micro_batches, schedule in SETTINGS:
-            task_p = model.Model()
-            model_config.set_pipeline_fields(task_p, num_cells=num_cells,
-                                             num_micro_batches=num_micro_batches)
-            for _, pipeline in model_config.iter_pipelining_params(task_p):
-                pipeline.schedule = schedule
+            task_p = _configured(name, num_cells, num_micro_batches, schedule)
             task = task_p.Instantiate()
             batch = NestedMap(next(iter(task_p.input.Instantiate().dataset())))
             report = equivalence.check_equivalence(task, batch, use_tf_function=False)
@@ -83,6 +98,12 @@ class CheckAllSettings:
 
 class RegisteredImageModelsTest(tf.test.TestCase, parameterized.TestCase, CheckAllSettings):
 
-    @parameterized.parameters(*registered("image.")[:4])
-    def test_passes_at_two_settings(self, name: str) -> None:
-        self.check_all_settings(name)
+    @parameterized.parameters(*distinct_registered("image."))
+    def test_passes_at_two_settings(self, name: str, same_as: tuple[str, ...]) -> None:
+        self.check_all_settings(name, same_as)
+
+    def test_the_shrunk_amoebanet_d_family_is_one_configuration(self):
+        # What makes checking one of them enough: guards against a shrink that stops covering
+        # a registered model's distinguishing field.
+        [names] = [[n, *rest] for n, rest in distinct_registered("image.AmoebaNetD_")]
+        self.assertLen(names, 5)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 from absl.testing import parameterized
-from equivalence_models_test import CheckAllSettings, registered
+from equivalence_models_test import CheckAllSettings, distinct_registered
 
 
 class RegisteredMtModelsTest(tf.test.TestCase, parameterized.TestCase, CheckAllSettings):
 
-    @parameterized.parameters(*registered("mt."))
-    def test_passes_at_two_settings(self, name: str) -> None:
-        self.check_all_settings(name)
+    @parameterized.parameters(*distinct_registered("mt."))
+    def test_passes_at_two_settings(self, name: str, same_as: tuple[str, ...]) -> None:
+        self.check_all_settings(name, same_as)

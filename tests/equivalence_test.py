@@ -9,7 +9,7 @@ The broken model is testdata_models.TinyMlpBrokenDropout, whose dropout ignores 
 offset (each micro-batch reuses the first micro-batch's mask). Its reported differences are
 checked against an independent computation: the pipeline's own FPropAndGrads and a plain tape
 over the layers, compared in numpy. The registered models are checked in
-equivalence_models_test.py, equivalence_image_models_test.py and equivalence_mt_models_test.py.
+equivalence_models_test.py and equivalence_mt_models_test.py.
 """
 
 from __future__ import annotations
