@@ -1,10 +1,11 @@
 """GPipe's consistent-training claim at small scale: K does not change the loss curve.
 
 The default digits model is trained for a few optimizer steps with K = 1 and 4 cells and the
-same seed and T (K = 2 is the registered model's own setting, checked by equivalence tests). Weights start bit-identical (they are seeded by layer path, which does not
-depend on the partition), dropout and drop-path masks depend on the example's position in the
-mini-batch, and batch norm uses the same micro-batches, so the losses may differ only by float32
-summation order. Tolerance: rtol 1e-4 after 5 Adam steps (measured differences are ~1e-6).
+same seed and T (K = 2 is the registered model's own setting, which the equivalence tests check).
+Weights start bit-identical (they are seeded by layer path, which does not depend on the partition),
+dropout and drop-path masks depend on the example's position in the mini-batch, and batch norm uses
+the same micro-batches, so the losses may differ only by float32 summation order. Tolerance: rtol
+1e-4 after 5 Adam steps (measured differences are ~1e-6).
 """
 
 from __future__ import annotations
