@@ -41,6 +41,10 @@ class UpdateCollector:
     def add(self, layer: Any, stats: Any) -> None:
         self._stats.setdefault(id(layer), (layer, []))[1].append(stats)
 
+    def replace(self, layer: Any, stats_list: list[Any]) -> None:
+        """Replaces what `layer` reported (e.g. by statistics pooled over processes)."""
+        self._stats[id(layer)] = (layer, list(stats_list))
+
     def __len__(self) -> int:
         return len(self._stats)
 

@@ -36,11 +36,13 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     buckets,
     collectives,
+    cross_process,
     executor,
     loop_executor,
     micro_batch,
     partition,
     placement,
+    process_group,
     remat,
     schedule,
     step_layout,
@@ -281,12 +283,23 @@ class PipeliningLayer(base_layer.BaseLayer):
         # Replicas 1..R-1 hold copies of the trainable weights on their own devices
         # (non-trainable state, e.g. batch-norm moving statistics, is kept once).
         self._replica_vars = [self._copy_trainable_vars(r) for r in range(1, p.num_replicas)]
+        # Multi-client (process_group): these R replicas are this process's share of
+        # R x num_processes; cell k's group spans the replicas of every process, and a small
+        # `side` group combines scalar outputs and batch-norm moments (cross_process.py).
+        self._processes = None if self._tpu_strategy is not None else process_group.current()
+        num_processes = 1 if self._processes is None else self._processes.num_processes
         self._gradient_all_reduce = []
-        if p.num_replicas > 1:
+        self._side_all_reduce = None
+        if p.num_replicas * num_processes > 1:
             self._gradient_all_reduce = [
-                collectives.AllReduce([row[self._device_of_cell(k)] for row in self._mesh])
+                collectives.AllReduce([row[self._device_of_cell(k)] for row in self._mesh],
+                                      group_size=p.num_replicas * num_processes)
                 for k in range(self.num_cells)
             ]
+        if num_processes > 1:
+            self._side_all_reduce = collectives.AllReduce(
+                [self._mesh[0][self._device_of_cell(self.num_cells - 1)]],
+                group_size=num_processes)
 
     # -- static analysis -----------------------------------------------------
 
@@ -552,9 +565,11 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "`inputs` (a tensor or a NestedMap).")
         if self._active_replica is None:
             self._check_bucket(inputs)
-        if self.num_replicas > 1 and self._active_replica is None:
+        if self._gradient_all_reduce and self._active_replica is None:
+            where = ("" if self._processes is None else
+                     f" in each of {self._processes.num_processes} processes")
             raise ValueError(
-                f"{self.path} has num_replicas={self.num_replicas}: train it with "
+                f"{self.path} has num_replicas={self.num_replicas}{where}: train it with "
                 "FPropAndReplicaGrads(replica_thetas(theta), inputs), which updates every "
                 "replica's weights, or set num_replicas=1.")
         split = self._split(inputs)
@@ -670,6 +685,10 @@ class PipeliningLayer(base_layer.BaseLayer):
         if self._tpu_strategy is not None:
             return self._strategy_replica_step(thetas[0], inputs, shard_size)
         base_offset = fprop_context.current().example_offset
+        if self._processes is not None:  # This process's examples follow the earlier ones'.
+            base_offset = base_offset + self._processes.index * self.num_replicas * shard_size
+        collector = fprop_context.current().updates
+        reported_before = {id(layer) for layer, _ in collector.items()}
         outputs, grads = [], []
         for r, shard in enumerate(micro_batch.split(inputs, self.num_replicas, p.batch_dim)):
             self._active_replica = r
@@ -683,13 +702,20 @@ class PipeliningLayer(base_layer.BaseLayer):
                 self._active_replica = None
             outputs.append(out)
             grads.append(g)
-        if self.num_replicas == 1:
+        if not self._gradient_all_reduce:
             return outputs[0], grads
         weights = [micro_batch.micro_batch_weight(o) for o in outputs]
         if weights[0] is None:
             weights = [tf.constant(1.0)] * self.num_replicas
-        return (micro_batch.merge(outputs, p.batch_dim, micro_batch.loss_weights(outputs)),
-                self._all_reduce_grads(grads, weights))
+        merged = micro_batch.merge(outputs, p.batch_dim, micro_batch.loss_weights(outputs))
+        grads = self._all_reduce_grads(grads, weights)
+        if self._side_all_reduce is not None:
+            merged = cross_process.global_scalars(self._side_all_reduce, merged,
+                                                  tf.add_n(weights))
+            cross_process.pool_moments_globally(
+                self._side_all_reduce, collector,
+                {id(layer) for layer, _ in collector.items()} - reported_before)
+        return merged, grads
 
     def _strategy_replica_step(self, theta: NestedMap, inputs: Any,
                                batch_size: int) -> tuple[Any, list[NestedMap]]:

@@ -1,0 +1,122 @@
+"""What a multi-client step combines across processes besides gradients.
+
+Within one process the replicas of a pipeline already pool their batch-norm statistics (one
+`UpdateCollector` for every replica and micro-batch) and merge their scalar outputs (loss,
+metrics) as weighted means. With several processes (`process_group`) each process holds
+only its share, so after the local pooling:
+
+- `pool_moments_globally` replaces each layer's reported moments by the exact moments of the
+  global batch (count-weighted mean, then the law of total variance, as
+  `normalization.pool_moments` does locally), so the moving statistics are the same as a
+  single process would compute from the whole batch;
+- `global_scalars` turns the local weighted means into the global ones.
+
+Both run through one small all-reduce group (`side`, one member per process, on the last
+cell's device of the first local replica), two collectives per step at most.
+
+Example (one process stands in for the group; `side` sums over a group of 1):
+
+    side = collectives.AllReduce(["/device:CPU:0"])
+    out = global_scalars(side, NestedMap(loss=tf.constant(2.0)), tf.constant(1.0))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from lingvo_lite import fprop_context
+from lingvo_lite.layers.normalization import pool_moments
+from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import collectives, micro_batch
+
+__all__ = ["global_scalars", "pool_moments_globally"]
+
+_MOMENT_KEYS = {"count", "mean", "variance"}
+
+
+def _is_moments(value: Any) -> bool:
+    return isinstance(value, NestedMap) and set(value.keys()) == _MOMENT_KEYS
+
+
+def _moment_paths(stats: NestedMap) -> list[str]:
+    """Paths of the moment records (NestedMap(count, mean, variance)) within one report."""
+    if _is_moments(stats):
+        return [""]
+    paths = []
+    for key, value in stats.items():
+        if isinstance(value, NestedMap):
+            paths += [f"{key}.{p}" if p else key for p in _moment_paths(value)]
+    return paths
+
+
+def _get(stats: NestedMap, path: str) -> Any:
+    return stats if not path else stats.GetItem(path)
+
+
+def pool_moments_globally(side: collectives.AllReduce,
+                          collector: fprop_context.UpdateCollector,
+                          layer_ids: set[int]) -> None:
+    """Replaces the reports of the layers in `layer_ids` by one report of global moments.
+
+    Each report's moment records are pooled over this process's reports, then over the
+    processes; other leaves (e.g. a Keras layer's `draws`) are kept from the first report.
+    """
+    entries = [(layer, stats) for layer, stats in collector.items()
+               if id(layer) in layer_ids and stats]
+    records = []  # (entry index, path, local count, local mean, local variance)
+    for e, (_, stats) in enumerate(entries):
+        for path in _moment_paths(stats[0]):
+            parts = [_get(s, path) for s in stats]
+            mean, variance = pool_moments(parts)
+            count = tf.add_n([tf.cast(p.count, tf.float32) for p in parts])
+            records.append((e, path, count, mean, variance))
+    if not records:
+        return
+    (device,) = side.devices
+    with tf.device(device):
+        sums = side([[c for _, _, c, _, _ in records] + [c * m for _, _, c, m, _ in records]])[0]
+        n = len(records)
+        counts = [tf.maximum(c, 1e-8) for c in sums[:n]]
+        means = [s / c for s, c in zip(sums[n:], counts)]
+        spread = side([[c * (v + tf.square(m - gm))
+                        for (_, _, c, m, v), gm in zip(records, means)]])[0]
+        variances = [s / c for s, c in zip(spread, counts)]
+    pooled: dict[int, NestedMap] = {}
+    for (e, path, _, _, _), count, mean, variance in zip(records, sums[:n], means, variances):
+        report = pooled.setdefault(e, entries[e][1][0].DeepCopy())
+        record = NestedMap(count=count, mean=mean, variance=variance)
+        if path:
+            report.Set(path, record)
+        else:
+            pooled[e] = record
+    for e, report in pooled.items():
+        collector.replace(entries[e][0], [report])
+
+
+def global_scalars(side: collectives.AllReduce, out: Any, weight: tf.Tensor) -> Any:
+    """Float scalar outputs as weighted means over the processes; `WEIGHT_KEYS` summed.
+
+    `weight` is this process's share of the batch's weight (its summed `loss_weight`, or
+    its number of replicas when micro-batches weigh the same).
+    """
+    if not isinstance(out, NestedMap):
+        return out
+    items = out.FlattenItems()
+    idx = [i for i, (_, v) in enumerate(items)
+           if v is not None and v.shape.rank == 0 and v.dtype.is_floating]
+    if not idx:
+        return out
+    (device,) = side.devices
+    with tf.device(device):
+        weight = tf.cast(weight, tf.float32)
+        values = [tf.cast(items[i][1], tf.float32) if items[i][0] in micro_batch.WEIGHT_KEYS
+                  else tf.cast(items[i][1], tf.float32) * weight for i in idx]
+        *summed, total = side([values + [weight]])[0]
+        total = tf.maximum(total, 1e-8)
+        leaves = [v for _, v in items]
+        for i, s in zip(idx, summed):
+            value = s if items[i][0] in micro_batch.WEIGHT_KEYS else s / total
+            leaves[i] = tf.cast(value, items[i][1].dtype)
+    return out.Pack(leaves)

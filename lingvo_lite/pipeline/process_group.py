@@ -1,0 +1,136 @@
+"""Several processes, one data-parallel mesh: TensorFlow's collectives across a cluster.
+
+In multi-client training every process (task) of a cluster runs the same program as its
+own client: it builds its own R_local replicas of the pipeline on its own devices and sums
+cell k's gradients with the other tasks' replicas through collective all-reduces whose group
+spans the cluster (group_size = R_local x num_processes). This is the mechanism of
+`tf.distribute.MultiWorkerMirroredStrategy`: the eager context runs a gRPC server of the
+cluster (`enable_collective_ops`), task 0 resolves the collective groups (the leader), and
+every process derives the same group and instance keys because it builds the same model in
+the same order (collectives.py).
+
+`initialize` must run before TensorFlow executes its first op, like the strategy's
+constructor; then `current()` tells every PipeliningLayer built afterwards how many
+processes share its mesh and which one this is.
+
+Example (every task of the cluster runs these lines with its own `index`):
+
+    group = process_group.initialize(["127.0.0.1:2222", "127.0.0.1:2223"], index=0,
+                                     num_logical_cpus=2)   # this task's devices
+    pipe = PipeliningLayer.Params().Set(..., num_replicas=1).Instantiate()
+    # FPropAndReplicaGrads now sums gradients over both tasks' replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+__all__ = ["current", "from_tf_config", "initialize", "ProcessGroup"]
+
+JOB = "worker"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """The processes of a multi-client run (task 0 is the chief) and this one's index."""
+
+    addresses: tuple[str, ...]
+    index: int
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.addresses)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.index == 0
+
+
+_current: ProcessGroup | None = None
+
+
+def current() -> ProcessGroup | None:
+    """The group `initialize` set up in this process, or None (a single process)."""
+    return _current
+
+
+def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | None = None,
+               intra_op_threads: int | None = None,
+               inter_op_threads: int | None = None) -> ProcessGroup:
+    """Starts this task's collective server; call before any TensorFlow op runs.
+
+    The task's devices must be configured first (the server takes them as they are then), so
+    the logical CPUs and thread pools are set here, like `devices.configure_logical_cpus`.
+
+    Args:
+      addresses: 'host:port' of every task, the same list in every process.
+      index: this process's task index (0: the chief, which also leads the groups).
+      num_logical_cpus: logical CPU devices of this task (None: TensorFlow's one CPU).
+      intra_op_threads, inter_op_threads: thread-pool sizes (None: TensorFlow's).
+
+    Raises:
+      RuntimeError: TensorFlow already ran an op (collectives can no longer be configured).
+      ValueError: `index` is out of range.
+    """
+    global _current
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    addresses = tuple(addresses)
+    if not 0 <= index < len(addresses):
+        raise ValueError(f"task index {index} is out of range for {len(addresses)} tasks.")
+    group = ProcessGroup(addresses, index)
+    if _current is not None:
+        if _current != group:
+            raise RuntimeError(f"process_group.initialize was already called with {_current}.")
+        return _current
+    ctx = context.context()
+    try:
+        if num_logical_cpus:
+            tf.config.set_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0],
+                [tf.config.LogicalDeviceConfiguration()] * num_logical_cpus)
+        if intra_op_threads:
+            tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+        if inter_op_threads:
+            tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+        ctx.configure_collective_ops(
+            collective_leader=f"/job:{JOB}/replica:0/task:0",
+            scoped_allocator_enabled_ops=("CollectiveReduce",),
+            device_filters=(f"/job:{JOB}/task:{index}",))
+    except RuntimeError:
+        raise RuntimeError(
+            "process_group.initialize must run before TensorFlow executes any op (as "
+            "MultiWorkerMirroredStrategy must be created first); call it at program start, "
+            "before configure_logical_cpus and before building a model.") from None
+    spec = tf.train.ClusterSpec({JOB: list(addresses)})
+    port = int(addresses[index].rpartition(":")[2])
+    ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
+        cluster=spec.as_cluster_def(), default_session_config=ctx.config, job_name=JOB,
+        task_index=index, protocol="grpc", port=port))
+    _current = group
+    return group
+
+
+def from_tf_config(environ: Mapping[str, str] | None = None,
+                   **device_options: int | None) -> ProcessGroup | None:
+    """`initialize` from the `TF_CONFIG` environment variable (as tf.distribute reads it).
+
+    The tasks are the 'chief' job's (if any) then the 'worker' job's; None when TF_CONFIG is
+    unset or names one task. trainer.py validates TF_CONFIG more thoroughly (cluster.py).
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("TF_CONFIG", "").strip()
+    if not text:
+        return None
+    config = json.loads(text)
+    cluster, task = config.get("cluster", {}), config.get("task", {})
+    addresses = list(cluster.get("chief", [])) + list(cluster.get(JOB, []))
+    if len(addresses) < 2:
+        return None
+    offset = len(cluster.get("chief", [])) if task.get("type") == JOB else 0
+    return initialize(addresses, offset + int(task.get("index", 0)), **device_options)
