@@ -48,7 +48,7 @@ from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import graph_layer, keras_layer
+from lingvo_lite.keras import graph_layer, keras_buckets, keras_layer
 from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
 from lingvo_lite.keras.pipelined_model import (
     PipelinedModel,
@@ -196,6 +196,7 @@ class FunctionalPipelinedModel(PipelinedModel):
                  schedule: str = "gpipe", placement: Any = "auto",
                  partition_method: str = "min_max", split_points: Sequence[int] | None = None,
                  serial_devices: bool = False, cost_batch_size: int = 1,
+                 input_buckets: Sequence[Any] | None = None,
                  name: str | None = None) -> None:
         keras.Model.__init__(self, name=name)
         model = layers
@@ -204,15 +205,27 @@ class FunctionalPipelinedModel(PipelinedModel):
                         placement=placement, partition_method=partition_method,
                         split_points=split_points, serial_devices=serial_devices)
         self._config = dict(layers=keras.saving.serialize_keras_object(model),
-                            input_shape=input_shape, cost_batch_size=cost_batch_size, **settings)
+                            input_shape=input_shape, cost_batch_size=cost_batch_size,
+                            input_buckets=input_buckets, **settings)
+        # Buckets: built, traced for costs and planned for the largest (keras_buckets.py).
+        names = keras_buckets.functional_input_names(model)
+        declared = input_buckets and keras_buckets.normalize(input_buckets, names)
+        if declared:
+            input_shape = input_shape or keras_buckets.example_shapes(
+                keras_buckets.largest(declared))
+            cost_batch_size = next(iter(keras_buckets.largest(declared).values()))[0]
         plan = trace_model(model, input_shape)
+        if declared:
+            settings["input_buckets"] = keras_buckets.pipeline_buckets_of(
+                declared, dict(zip(names, plan.input_keys)))
         params = functional_pipeline_params(model, cost_batch_size=cost_batch_size, plan=plan,
                                             **settings)
         pipeline = params.Instantiate()
         plain = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
         _share_variables(model, plain, plan, pipeline)
         self.plain = plain
-        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan)
+        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan,
+                               buckets=declared, input_names=names)
         position = {id(leaf): i for i, leaf in enumerate(pipeline.theta.Flatten())}
         self._hidden.grad_index = [position[id(v.value)] for v in plain.trainable_variables]
         self.built = True
@@ -230,7 +243,8 @@ class FunctionalPipelinedModel(PipelinedModel):
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 jit_compile: Any = "auto", **kwargs: Any) -> None:
         """`keras.Model.compile`: one loss, or one per output (a list or a dict by name), and
-        `loss_weights` in the same forms."""
+        `loss_weights` in the same forms; every reduction but 'none' (and, for several
+        outputs, 'mean_with_sample_weight')."""
         if jit_compile is True:
             raise ValueError(
                 "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
@@ -238,8 +252,9 @@ class FunctionalPipelinedModel(PipelinedModel):
                 "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
         _check_sparse_gradients(self._hidden.plan, optimizer)
-        self.pipeline.layers[-1].set_loss(self._by_map_name(loss, "loss"),
-                                          self._by_map_name(loss_weights, "loss_weights"))
+        self.pipeline.layers[-1].set_loss(
+            self._by_map_name(loss, "loss"), self._by_map_name(loss_weights, "loss_weights"),
+            several_outputs=not isinstance(self._hidden.plan.outputs, str))
         keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
                             **kwargs)
 
@@ -326,6 +341,8 @@ class FunctionalPipelinedModel(PipelinedModel):
         # apply_gradients unscales the gradients.
         inputs.loss_scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         pipe = self.pipeline
+        batch = inputs[self._hidden.plan.input_keys[0]].shape[0]
+        inputs.num_micro_batches = tf.constant(float(pipe.num_micro_batches_for(batch)))
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
             out, grads = pipe.FPropAndGrads(pipe.theta, inputs)

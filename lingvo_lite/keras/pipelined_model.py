@@ -40,8 +40,10 @@ device, and gets Keras' sparse gradient from the pipeline's input gradient); a
 
 Training needs equal batches (the pipeline splits a static mini-batch into T
 micro-batches): `fit` on arrays needs a batch_size dividing the number of training
-examples, and a tf.data.Dataset must be batched with drop_remainder=True. Evaluation
-and prediction take any batch.
+examples, and a tf.data.Dataset must be batched with drop_remainder=True. Batches of a
+few shapes (length buckets from `bucket_by_sequence_length`) train with
+`input_buckets=[(16, 8), (8, 16), ...]`: one trace per bucket, any other shape refused
+(keras_buckets.py). Evaluation and prediction take any batch.
 
 Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
     >>> from lingvo_lite import devices
@@ -69,8 +71,9 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import keras_layer, keras_loss
+from lingvo_lite.keras import keras_buckets, keras_layer, keras_loss
 from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import buckets as pipeline_buckets
 from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["pipeline_params", "PipelinedModel"]
@@ -125,7 +128,8 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
                     split_points: Sequence[int] | None = None, serial_devices: bool = False,
                     loss: Any = None, cost_batch_size: int = 1,
                     name: str = "keras_pipeline",
-                    allow_weight_regularizers: bool = False) -> Any:
+                    allow_weight_regularizers: bool = False,
+                    input_buckets: Sequence[Any] | None = None) -> Any:
     """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
 
     `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
@@ -137,7 +141,9 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     or None to set it later (`KerasLossLayer.set_loss`). Weight regularizers
     (kernel_regularizer, ...) are refused unless `allow_weight_regularizers` (PipelinedModel
     adds their penalty itself; a trainer.py task would silently drop it); activity
-    regularizers are always refused.
+    regularizers are always refused. `input_buckets`: PipeliningLayer.input_buckets (the
+    pipeline input's mini-batch shapes, NestedMaps with `x`); costs are then planned for
+    the largest.
 
     Example:
         >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
@@ -166,8 +172,9 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
         num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
         remat=remat, schedule=schedule, placement=placement,
         partition_method=partition_method, split_points=split_points,
-        serial_devices=serial_devices,
-        input_shapes=NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape])))
+        serial_devices=serial_devices, input_buckets=input_buckets,
+        input_shapes=(NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape]))
+                      if not input_buckets else pipeline_buckets.largest(input_buckets)))
 
 
 @keras.saving.register_keras_serializable(package="lingvo_lite")
@@ -181,6 +188,10 @@ class PipelinedModel(keras.Model):
       num_cells, num_micro_batches, micro_batch_size, remat, schedule, placement,
       partition_method, split_points, serial_devices: as in `PipeliningLayer.Params()`.
       cost_batch_size: batch size the cost model assumes when partitioning.
+      input_buckets: training batches of varying shape (length buckets): the input batch
+        shapes, batch first, e.g. [(16, 8), (8, 16), (4, 32)]; each is traced once and
+        any other shape refused (keras_buckets.py). The layers are built and the partition
+        planned for the largest; `input_shape` defaults to its example shape.
     """
 
     def __new__(cls, layers: Any = None, *args: Any, **kwargs: Any) -> PipelinedModel:
@@ -197,12 +208,17 @@ class PipelinedModel(keras.Model):
                  schedule: str = "gpipe", placement: Any = "auto",
                  partition_method: str = "min_max", split_points: Sequence[int] | None = None,
                  serial_devices: bool = False, cost_batch_size: int = 1,
+                 input_buckets: Sequence[Any] | None = None,
                  name: str | None = None) -> None:
         super().__init__(name=name)
         sources = list(keras_layer.iter_keras_layers(layers))
         if not sources:
             raise ValueError("PipelinedModel: `layers` is empty; give the Keras layers to "
                              "pipeline.")
+        declared = None if input_buckets is None else keras_buckets.normalize(input_buckets,
+                                                                              ["x"])
+        if input_shape is None and declared:
+            input_shape = keras_buckets.example_shapes(keras_buckets.largest(declared))["x"]
         if input_shape is None:
             input_shape = _input_shape_of(layers)
         input_shape = tuple(int(d) for d in input_shape)
@@ -212,7 +228,8 @@ class PipelinedModel(keras.Model):
             num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
             remat=remat, schedule=schedule, placement=placement,
             partition_method=partition_method, split_points=split_points,
-            serial_devices=serial_devices, cost_batch_size=cost_batch_size)
+            serial_devices=serial_devices, cost_batch_size=cost_batch_size,
+            input_buckets=declared and [list(b["x"]) for b in declared])
         # A leading trainable Embedding runs before the pipeline, on cell 0's device: its
         # gradient is then taken as Keras takes it (one row per token occurrence, from the
         # pipeline's input gradient), which optimizers that square gradients need.
@@ -220,18 +237,22 @@ class PipelinedModel(keras.Model):
         if len(sources) > 1 and isinstance(sources[0], keras.layers.Embedding) and \
                 sources[0].trainable:
             front_source, sources = sources[0], sources[1:]
-        pipe_input_shape = input_shape
+        pipe_input_shape, probe = input_shape, None
         if front_source is not None:
             with tf.Graph().as_default():
                 probe = keras_layer.deserialize(keras_layer.serialize(front_source))
                 pipe_input_shape = tuple(probe.compute_output_shape((None, *input_shape))[1:])
+        pipe_buckets = None if not declared else keras_buckets.pipeline_buckets_of(
+            declared, {"x": "x"},
+            None if probe is None else lambda _, s: probe.compute_output_shape(s))
         params = pipeline_params(
             sources, pipe_input_shape, num_cells=num_cells,
             num_micro_batches=num_micro_batches,
             micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
             placement=placement, partition_method=partition_method,
             split_points=split_points, serial_devices=serial_devices,
-            cost_batch_size=cost_batch_size, allow_weight_regularizers=True)
+            cost_batch_size=cost_batch_size, allow_weight_regularizers=True,
+            input_buckets=pipe_buckets)
         pipeline = params.Instantiate()
         wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
         for source, target in zip(sources, wrapped):
@@ -245,8 +266,11 @@ class PipelinedModel(keras.Model):
             wrapped.insert(0, front)
         # The same layer objects (hence variables) as a plain Sequential: Keras tracks and
         # saves the weights through it, in the Sequential's layout.
-        self.plain = keras.Sequential([keras.Input(input_shape), *wrapped], name="layers")
-        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, front=front)
+        self.plain = keras.Sequential(
+            [keras.Input(keras_buckets.plain_shape(declared, "x", input_shape)), *wrapped],
+            name="layers")
+        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, front=front,
+                               buckets=declared, input_names=["x"])
         flat = pipeline.theta.Flatten()
         position = {id(leaf): i for i, leaf in enumerate(flat)}
         # Index into the pipeline's gradients, or None for the front layer's variables.
@@ -421,7 +445,10 @@ class PipelinedModel(keras.Model):
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
             **kwargs: Any) -> keras.callbacks.History:
-        """`keras.Model.fit`; every training batch must have `batch_size` examples."""
+        """`keras.Model.fit`; every training batch must have `batch_size` examples, or, with
+        input_buckets, one of the declared shapes."""
+        if getattr(self._hidden, "buckets", None):
+            return super().fit(x, y, batch_size=batch_size, **kwargs)
         size = _training_batch_size(x, batch_size, kwargs.get("validation_split", 0.0))
         if size != self._hidden.batch_size:
             self.train_function = None  # Traced for the previous static batch size.
@@ -433,6 +460,19 @@ class PipelinedModel(keras.Model):
                 raise ValueError(f"PipelinedModel.fit with batch_size="
                                  f"{self._hidden.batch_size}: {e}") from None
         return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+    def make_train_function(self, force: bool = False) -> Any:
+        """Keras' train function, or with input_buckets one traced once per bucket."""
+        if not getattr(self._hidden, "buckets", None):
+            return super().make_train_function(force)
+        if not self.optimizer.built:  # Built inside the first trace, it would trace twice.
+            self.optimizer.build(self.plain.trainable_variables)
+        if self.train_function is None or force:
+            self.train_function = keras_buckets.BucketedTrainFunction(
+                self.train_step, self.steps_per_execution, self._hidden.buckets,
+                lambda data: keras_buckets.shapes_by_name(
+                    keras.utils.unpack_x_y_sample_weight(data)[0], self._hidden.input_names))
+        return self.train_function
 
     # -- weights in the plain Sequential's layout --------------------------------
 
@@ -565,7 +605,8 @@ def _training_batch_size(x: Any, batch_size: int | None, validation_split: float
             raise ValueError(
                 "PipelinedModel.fit: the dataset's batch size is not static; batch it with "
                 "dataset.batch(batch_size, drop_remainder=True) so every batch splits into "
-                "the same micro-batches.")
+                "the same micro-batches, or declare the batch shapes of length buckets with "
+                "PipelinedModel(..., input_buckets=[...]).")
         return None
     leaves = tf.nest.flatten(x)
     if not leaves or not hasattr(leaves[0], "shape"):
