@@ -20,6 +20,7 @@ from lingvo_lite import (
     hyperparams,
     learning_rate,
     optimizers,
+    sharded_optimizer,
     warm_start,
 )
 from lingvo_lite.nested_map import NestedMap
@@ -32,6 +33,10 @@ def _train_params() -> hyperparams.Params:
     tp.Define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
     tp.Define("lr_schedule", learning_rate.Constant.Params(), "Learning-rate schedule params.")
     tp.Define("optimizer", optimizers.Adam.Params(), "Optimizer params.")
+    tp.Define("shard_optimizer_state", False,
+              "ZeRO-1: each of the R data-parallel replicas keeps the optimizer slots of 1/R of "
+              "every weight and updates that slice; the weights are all-gathered after the "
+              "update (lingvo_lite/sharded_optimizer.py). Checkpoints keep the unsharded layout.")
     tp.Define("clip_gradient_norm_to_value", 0.0,
               "Clip the global gradient norm to this value; 0 disables clipping.")
     tp.Define("l2_regularizer_weight", 0.0,
@@ -80,6 +85,7 @@ class BaseTask(base_layer.BaseLayer):
         self._optimizer = tp.optimizer.Instantiate()
         self._schedule = tp.lr_schedule.Instantiate()
         self._optimizer_ready = False
+        self._sharded: sharded_optimizer.ShardedOptimizer | None = None
 
     @property
     def global_step(self) -> tf.Variable:
@@ -109,7 +115,8 @@ class BaseTask(base_layer.BaseLayer):
         """
         for var, copy in self.replica_variable_pairs():
             copy.assign(var)
-            self._optimizer.copy_slots(var, copy)
+            if self._sharded is None:  # Sharded slots are restored by each replica itself.
+                self._optimizer.copy_slots(var, copy)
 
     def learning_rate(self, step: tf.Tensor | None = None) -> tf.Tensor:
         step = self._global_step if step is None else step
@@ -123,9 +130,16 @@ class BaseTask(base_layer.BaseLayer):
         """
         if self._optimizer_ready:
             return
-        self._optimizer.create_slots(self.trainable_vars())
-        self._optimizer.create_slots([copy for _, copy in self.replica_variable_pairs()])
         tp = self.params.train
+        if tp.shard_optimizer_state:
+            replicas = [[v for v in theta.Flatten() if isinstance(v, tf.Variable) and v.trainable]
+                        for theta in self.replica_thetas()]
+            sharded_optimizer.check_shardable(self._optimizer, len(replicas),
+                                              tf.distribute.has_strategy())
+            self._sharded = sharded_optimizer.ShardedOptimizer(self._optimizer, replicas)
+        else:
+            self._optimizer.create_slots(self.trainable_vars())
+            self._optimizer.create_slots([copy for _, copy in self.replica_variable_pairs()])
         if tp.init_from_checkpoint:
             warm_start.warm_start(self.checkpoint_variables(), tp.init_from_checkpoint,
                                   tp.init_exclude)
@@ -204,7 +218,8 @@ class BaseTask(base_layer.BaseLayer):
         lr = self.learning_rate()
 
         def update() -> tf.Tensor:
-            ops = [self._optimizer.apply([gv for ps in replica_pairs for gv in ps], lr)]
+            ops = [self._sharded.apply(replica_pairs, lr) if self._sharded is not None
+                   else self._optimizer.apply([gv for ps in replica_pairs for gv in ps], lr)]
             ops += collector.apply()
             with tf.control_dependencies(ops):
                 return tf.constant(True)
@@ -244,7 +259,8 @@ class BaseTask(base_layer.BaseLayer):
         named = {f"model/{path}": v for path, v in self.vars.FlattenItems()}
         named["global_step"] = self._global_step
         # Replica copies of the weights (and their slots) equal replica 0's: not saved.
-        slots = self._optimizer.slot_variables(self.trainable_vars())
+        slots = (self._sharded.checkpoint_slots() if self._sharded is not None
+                 else self._optimizer.slot_variables(self.trainable_vars()))
         named.update({f"optimizer/{k}": v for k, v in slots.items()})
         return named
 

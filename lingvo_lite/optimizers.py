@@ -105,6 +105,22 @@ class BaseOptimizer:
                    lr: tf.Tensor) -> tf.Operation:
         raise NotImplementedError
 
+    @property
+    def updates_elementwise(self) -> bool:
+        """Whether each element's update reads only that element (of the weight, gradient and
+        slots), so a slice of a weight can be updated alone (`update_shard`)."""
+        return type(self).update_shard is not BaseOptimizer.update_shard
+
+    def update_shard(self, grad: tf.Tensor, value: tf.Tensor, slots: dict[str, tf.Variable],
+                     lr: tf.Tensor) -> tf.Tensor:
+        """Updates a flat slice of a weight (ZeRO-1, lingvo_lite/sharded_optimizer.py).
+
+        `grad` and `value` are the slice of the gradient and of the weight; `slots` the
+        slice's slot variables (scalar slots whole). Writes the slots and returns the
+        slice's new value, by the fused kernel's formula element by element.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no element-wise update_shard.")
+
 
 def _fused(grad: tf.Tensor, var: tf.Variable) -> tf.Tensor | None:
     """`grad` as a dense tensor when `var` is a plain resource variable that a fused training
@@ -144,6 +160,16 @@ class SGD(BaseOptimizer):
         step = grad + p.momentum * mom if p.nesterov else mom
         return var.assign_sub(lr * step)
 
+    def update_shard(self, grad, value, slots, lr):  # noqa: ANN001
+        p = self.params  # ResourceApplyGradientDescent / ResourceApplyMomentum's formulas.
+        if not p.momentum:
+            return value - grad * lr
+        momentum = tf.cast(p.momentum, value.dtype)
+        accum = slots["momentum"].assign(slots["momentum"] * momentum + grad)
+        if p.nesterov:
+            return value - (grad * lr + accum * momentum * lr)
+        return value - accum * lr
+
 
 class Adam(BaseOptimizer):
     """Adam (Kingma & Ba) with bias correction."""
@@ -182,6 +208,18 @@ class Adam(BaseOptimizer):
         v_hat = v / (1 - beta2_power)
         return var.assign_sub(lr * m_hat / (tf.sqrt(v_hat) + p.epsilon))
 
+    def update_shard(self, grad, value, slots, lr):  # noqa: ANN001
+        p = self.params  # ResourceApplyAdam's formula (see _apply_one for its epsilon).
+        one = tf.ones([], value.dtype)
+        t = slots["t"].assign_add(one)
+        beta1, beta2 = tf.cast(p.beta1, value.dtype), tf.cast(p.beta2, value.dtype)
+        beta1_power, beta2_power = tf.pow(beta1, t), tf.pow(beta2, t)
+        epsilon = tf.cast(p.epsilon, value.dtype) * tf.sqrt(one - beta2_power)
+        alpha = lr * tf.sqrt(one - beta2_power) / (one - beta1_power)
+        m = slots["m"].assign_add((grad - slots["m"]) * (one - beta1))
+        v = slots["v"].assign_add((tf.square(grad) - slots["v"]) * (one - beta2))
+        return value - (m * alpha) / (tf.sqrt(v) + epsilon)
+
 
 class RMSProp(BaseOptimizer):
     """TF1 RMSProp, as in the GPipe/AmoebaNet recipe (decay 0.9, epsilon 0.1 inside the sqrt)."""
@@ -209,3 +247,12 @@ class RMSProp(BaseOptimizer):
         mom = slots["momentum"].assign(
             p.momentum * slots["momentum"] + lr * grad / tf.sqrt(ms + p.epsilon))
         return var.assign_sub(mom)
+
+    def update_shard(self, grad, value, slots, lr):  # noqa: ANN001
+        p = self.params  # ResourceApplyRMSProp's formula.
+        dtype = value.dtype
+        ms = slots["ms"].assign_add(
+            (tf.square(grad) - slots["ms"]) * (1 - tf.cast(p.decay, dtype)))
+        mom = slots["momentum"].assign(slots["momentum"] * tf.cast(p.momentum, dtype)
+                                       + (grad * lr) / tf.sqrt(ms + tf.cast(p.epsilon, dtype)))
+        return value - mom

@@ -119,7 +119,8 @@ _LEVEL_OF_MODULE = {
     "devices": "layers", "colocation": "layers", "layers": "layers",
     "pipeline": "pipeline", "analysis": "analysis",
     "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",
-    "optimizers": "tasks", "learning_rate": "tasks", "warm_start": "tasks",
+    "optimizers": "tasks", "sharded_optimizer": "tasks", "learning_rate": "tasks",
+    "warm_start": "tasks",
     "model_registry": "tasks", "keras": "tasks",
     "training": "trainer",
 }

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-__all__ = ["AllReduce"]
+__all__ = ["AllGather", "AllReduce", "collective_ranks"]
 
 _group_keys = itertools.count(1)
 _instance_keys = itertools.count(1)
@@ -87,3 +87,70 @@ class AllReduce:
                         out[i] = tf.reshape(piece, member[i].shape)
                 results.append(out)
         return results
+
+
+def collective_ranks(devices: Sequence[str]) -> list[int]:
+    """The rank TensorFlow gives each member of a group: its place in the order of full device
+    names (job, replica, task, device type, then index as a number), which is where
+    `CollectiveGatherV2` puts its piece. Pass every member's name, in all processes.
+
+    >>> collective_ranks(["/device:CPU:10", "/device:CPU:2", "/device:CPU:1"])
+    [2, 1, 0]
+    """
+    def key(name: str) -> tuple[str, int, int, str, int]:
+        spec = tf.DeviceSpec.from_string(name)
+        return (spec.job or "localhost", spec.replica or 0, spec.task or 0,
+                spec.device_type or "", spec.device_index or 0)
+
+    order = sorted(range(len(devices)), key=lambda i: key(devices[i]))
+    ranks = [0] * len(devices)
+    for rank, i in enumerate(order):
+        ranks[i] = rank
+    return ranks
+
+
+class AllGather:
+    """Concatenates one 1-D tensor from every member of a group, in rank order
+    (`CollectiveGatherV2`; ranks: `collective_ranks`).
+
+    Args:
+      devices: this process's members of the group, one device each.
+      group_size: members in all processes (default: `len(devices)`, one process).
+
+    Example:
+        gather = AllGather(["/device:CPU:1", "/device:CPU:0"])
+        a, b = gather([tf.constant([1.0]), tf.constant([2.0])])  # both [2.0, 1.0]
+    """
+
+    def __init__(self, devices: Sequence[str], group_size: int | None = None) -> None:
+        self.devices = list(devices)
+        self.group_size = group_size or len(self.devices)
+        if self.group_size < len(self.devices):
+            raise ValueError(f"group_size={self.group_size} is smaller than the "
+                             f"{len(self.devices)} local devices of the group.")
+        self._group_key = next(_group_keys)
+        self._tokens = []  # As in AllReduce: orders each device's collectives.
+        for device in self.devices:
+            with tf.device(device):
+                self._tokens.append(tf.Variable(0.0, trainable=False, name="collective_order"))
+
+    def __call__(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """`values[i]` (1-D, the same size and dtype for every member) lives on `devices[i]`;
+        returns the concatenation over all members, on each member's device."""
+        if len(values) != len(self.devices):
+            raise ValueError(f"AllGather over {len(self.devices)} devices got "
+                             f"{len(values)} values.")
+        if tf.executing_eagerly():  # As in AllReduce: launch every member at once.
+            return tf.function(self._gather, autograph=False)(values)
+        return self._gather(values)
+
+    def _gather(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        instance_key = next(_instance_keys)
+        out = []
+        for device, token, value in zip(self.devices, self._tokens, values):
+            with tf.device(device):
+                out.append(tf.raw_ops.CollectiveGatherV2(
+                    input=value, group_size=self.group_size, group_key=self._group_key,
+                    instance_key=instance_key, ordering_token=[token.handle],
+                    communication_hint="auto"))
+        return out
