@@ -128,11 +128,23 @@ _DETERMINISTIC = flags.DEFINE_boolean(
     "Use TensorFlow's deterministic ops: a run resumed after a crash then ends with weights "
     "bit-identical to an uninterrupted run's (may be slower).")
 
+_SHARD_OPTIMIZER_STATE = flags.DEFINE_boolean(
+    "shard_optimizer_state", False,
+    "ZeRO-1: each of the --num_replicas data-parallel replicas keeps the optimizer slots of 1/R "
+    "of every weight, updates that slice and all-gathers the weights; checkpoints keep the "
+    "unsharded layout (resume with any R, sharded or not).")
 _RESET_INPUT_POSITION = flags.DEFINE_boolean(
     "reset_input_position", False,
     "Resume from the latest checkpoint's weights but start the train input from its beginning "
     "instead of the checkpoint's input position; needed to resume with another "
     "input.batch_size (a saved position only fits the batch size it was saved with).")
+
+_CLUSTER_MODE = flags.DEFINE_enum(
+    "cluster_mode", "auto", options_lib.CLUSTER_MODES,
+    "With a TF_CONFIG of several tasks: 'multi_client' (every task trains its own replicas on "
+    "its own shard of the input, gradients summed across tasks), 'single_client' (task 0 "
+    "drives the whole mesh; for a pipeline whose cells span hosts) or 'auto' (multi-client "
+    "when num_replicas is a multiple of the number of tasks).")
 
 _EQUIVALENCE_TOLERANCE = flags.DEFINE_float(
     "equivalence_tolerance", None,
@@ -202,6 +214,8 @@ def _options() -> options_lib.RunOptions:
         profile_steps=_PROFILE_STEPS.value,
         tpu=_TPU.value,
         reset_input_position=_RESET_INPUT_POSITION.value,
+        shard_optimizer_state=_SHARD_OPTIMIZER_STATE.value,
+        cluster_mode=_CLUSTER_MODE.value,
         equivalence_tolerance=_EQUIVALENCE_TOLERANCE.value,
         plan_devices=_PLAN_DEVICES.value,
         plan_memory_per_device=_PLAN_MEMORY_PER_DEVICE.value,
@@ -253,7 +267,7 @@ def _claim_cluster_address() -> None:
     try:
         config = cluster.from_environment()
         if config is not None:
-            cluster.open_channel(config)
+            cluster.open_channel(config, sorted(sys.argv[1:]))
     except options_lib.UsageError as e:
         print(f"trainer.py: error: {e}", file=sys.stderr, flush=True)
         cluster.announce_failure(str(e))  # The other tasks end too instead of waiting.

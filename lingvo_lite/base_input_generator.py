@@ -54,6 +54,7 @@ class BaseInputGenerator:
         self._params = params
         self._validate()
         params.Freeze()
+        self._shard: tuple[int, int] | None = None
 
     @property
     def params(self) -> hyperparams.InstantiableParams:
@@ -121,6 +122,26 @@ class BaseInputGenerator:
         del error
         return None
 
+    def shard(self, num_shards: int, index: int) -> None:
+        """Makes `dataset()` yield shard `index` of every global batch (multi-client training).
+
+        Each global batch of `batch_size` examples is split into `num_shards` contiguous parts;
+        this generator yields part `index` of each (`batch_size / num_shards` examples), the same
+        examples, seeds and order a single process would give that part. With the default
+        `_batch` only this shard's examples are preprocessed (the example stream, e.g. file
+        records, is still read in full to keep the shuffle order); with an overridden `_batch`
+        (bucketing) every batch is built and sliced.
+
+        >>> gen = BaseInputGenerator.Params().Set(batch_size=4).Instantiate()
+        >>> gen.shard(2, 1)   # yields examples 2 and 3 of every batch of 4
+        """
+        p = self._params
+        if p.batch_size % num_shards or not 0 <= index < num_shards:
+            raise ValueError(f"{p.name}: batch_size={p.batch_size} does not split into "
+                             f"{num_shards} equal shards; make input.batch_size a multiple of "
+                             f"{num_shards}.")
+        self._shard = (num_shards, index)
+
     # ---- pipeline --------------------------------------------------------------------------------
 
     def dataset(self) -> tf.data.Dataset:
@@ -132,6 +153,11 @@ class BaseInputGenerator:
         if p.repeat:
             ds = ds.repeat()
         ds = ds.enumerate()
+        by_example = self._shard is not None and type(self)._batch is BaseInputGenerator._batch
+        if by_example:  # Drops the other shards' examples before they are preprocessed.
+            num_shards, index = self._shard
+            shard_size = p.batch_size // num_shards
+            ds = ds.filter(lambda i, _: (i % p.batch_size) // shard_size == index)
         base_seed = tf.constant([p.seed, 0], dtype=tf.int64)
 
         def _map_fn(index: tf.Tensor, example: Any) -> NestedMap:
@@ -141,4 +167,19 @@ class BaseInputGenerator:
             return NestedMap.FromNestedDict(self._preprocess(example, seed))
 
         ds = ds.map(_map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return self._batch(ds).prefetch(tf.data.AUTOTUNE)
+        if by_example:
+            ds = ds.batch(shard_size, drop_remainder=p.drop_remainder)
+        else:
+            ds = self._batch(ds)
+            if self._shard is not None:
+                ds = ds.map(self._slice_shard)
+        return ds.prefetch(tf.data.AUTOTUNE)
+
+    def _slice_shard(self, batch: NestedMap) -> NestedMap:
+        num_shards, index = self._shard
+
+        def part(x: tf.Tensor) -> tf.Tensor:
+            size = tf.shape(x)[0] // num_shards
+            return x[index * size:(index + 1) * size]
+
+        return batch.Transform(part)

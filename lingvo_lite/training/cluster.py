@@ -143,15 +143,17 @@ class Channel:
     (`exit_now`) with one line; so does an abort (a peer that could not start).
     """
 
-    def __init__(self, config: ClusterConfig, sock: socket.socket) -> None:
+    def __init__(self, config: ClusterConfig, sock: socket.socket,
+                 command: list[str] | None = None) -> None:
         self.config = config
         self._sock = sock
         self._answers: dict[int, float] = {}
+        self._states: dict[int, str] = {}
         self._acks: set[int] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._message = {"index": config.task_index, "addresses": list(config.addresses),
-                         "pid": os.getpid()}
+                         "pid": os.getpid(), "command": command, "state": "running"}
         threading.Thread(target=self._receive, name="cluster-heartbeat-rx", daemon=True).start()
         threading.Thread(target=self._ping_loop, name="cluster-heartbeat-tx",
                          daemon=True).start()
@@ -164,9 +166,26 @@ class Channel:
         with self._lock:
             return self._answers.get(task)
 
+    def set_state(self, state: str) -> None:
+        """What this task tells the others in its heartbeats, e.g. 'finished' (multi-client)."""
+        with self._lock:
+            self._message = dict(self._message, state=state)
+
+    def ping_now(self) -> None:
+        """Pings every other task at once (e.g. to tell a new state before exiting)."""
+        for t in self.peers():
+            self._send("ping", self.config.addresses[t])
+
+    def peer_state(self, task: int) -> str | None:
+        """The state task last reported ('running', 'finished'), None if never heard."""
+        with self._lock:
+            return self._states.get(task)
+
     def _send(self, kind: str, address: tuple[str, int] | str, **extra) -> None:
         target = _split(address) if isinstance(address, str) else address
-        data = json.dumps(dict(self._message, kind=kind, **extra)).encode()
+        with self._lock:
+            message = dict(self._message, kind=kind, **extra)
+        data = json.dumps(message).encode()
         try:
             self._sock.sendto(data, target)
         except OSError:
@@ -215,6 +234,13 @@ class Channel:
                 exit_now(f"trainer.py: error: another trainer (PID {pid}) also runs as task "
                          f"{index} ({where}): two processes have TF_CONFIG task index {index}; "
                          "give each process its own index, then rerun every process.")
+            theirs, ours = message.get("command"), self._message["command"]
+            if theirs is not None and ours is not None and theirs != ours:
+                if kind == "ping":
+                    self._send("pong", sender)  # Lets the sender report the mismatch too.
+                exit_now(command_mismatch_message(self.config, index, ours, theirs))
+            with self._lock:
+                self._states[index] = str(message.get("state"))
             if kind == "ping":
                 self._send("pong", sender)
             elif kind == "pong":
@@ -246,6 +272,16 @@ def mismatch_message(config: ClusterConfig, index: int, addresses: list[str],
             "'task' index, then rerun every process.")
 
 
+def command_mismatch_message(config: ClusterConfig, index: int, ours: list[str],
+                             theirs: list[str]) -> str:
+    only_ours = [f for f in ours if f not in theirs] or ["(none)"]
+    only_theirs = [f for f in theirs if f not in ours] or ["(none)"]
+    return (f"trainer.py: error: the trainer.py command differs between the processes: this "
+            f"one (task {config.task_index}) has {' '.join(only_ours)}, task {index} has "
+            f"{' '.join(only_theirs)}; run the same command (the same flags) in every process, "
+            "each with its own TF_CONFIG, then rerun every process.")
+
+
 _channel: Channel | None = None
 _stderr_fd: int | None = None  # A copy of fd 2 taken by `open_channel`, for `exit_now`.
 
@@ -255,11 +291,13 @@ def channel() -> Channel | None:
     return _channel
 
 
-def open_channel(config: ClusterConfig) -> Channel:
+def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Channel:
     """Claims this task's address (UDP and TCP port P) and starts its heartbeats.
 
     Called before TensorFlow is imported, so that a taken port or a second process with the
-    same task index is found in a second, not after a gRPC traceback or a hang.
+    same task index is found in a second, not after a gRPC traceback or a hang. `command`
+    (trainer.py's flags, sorted) travels in the heartbeats: a task whose flags differ is
+    refused on both sides with one line.
 
     Raises:
       UsageError: the port is taken (the message names who holds it, when it is a trainer).
@@ -290,7 +328,7 @@ def open_channel(config: ClusterConfig) -> Channel:
             f"task's heartbeats, beside gRPC's TCP port {port}) is in use by another program "
             f"({e.strerror}); free it or give this task another port in every process's "
             "TF_CONFIG.") from None
-    _channel = Channel(config, sock)
+    _channel = Channel(config, sock, command)
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
     try:

@@ -449,7 +449,7 @@ class Trainer:
             self._print(f"Resuming training from step {step} to step {max_steps}.")
         else:
             self._print(f"Training from scratch to step {max_steps}.")
-        writers = summaries.SummaryWriters(self._logdir, first_step=step + 1)
+        writers = self._summary_writers(first_step=step + 1)
         try:
             with interrupts.StopSignals() as self._signals:
                 with _writing(self._logdir, step):
@@ -467,6 +467,10 @@ class Trainer:
         finally:
             with contextlib.suppress(OSError, tf.errors.OpError):
                 writers.close()  # After an error (the disk may still be full); else a no-op.
+
+    def _summary_writers(self, first_step: int) -> summaries.SummaryWriters:
+        """Where the run's summaries go (a multi-client worker writes none)."""
+        return summaries.SummaryWriters(self._logdir, first_step=first_step)
 
     def _last_checkpoint_text(self) -> str:
         last = checkpointer.latest_checkpoint(self._logdir)

@@ -27,6 +27,7 @@ MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_pa
          "inspect_model", "check_equivalence", "plan")
 TRAIN_MODES = ("train", "train_and_eval")
 LOGDIR_MODES = ("train", "eval", "train_and_eval", "decode")
+CLUSTER_MODES = ("auto", "single_client", "multi_client")
 
 
 class UsageError(ValueError):
@@ -76,6 +77,12 @@ class RunOptions:
       plan_devices, plan_memory_per_device, plan_device_flops: --mode=plan's number of
         devices, memory per device ('16GiB', '512MiB', '8GB') and achieved FLOP/s per device
         (None: `planner.DEFAULT_DEVICE_FLOPS`).
+      cluster_mode: with a TF_CONFIG of several tasks, 'multi_client' (every task a client of
+        its own replicas, training/multi_client.py), 'single_client' (task 0 the one client
+        of the whole mesh, training/cluster.py) or 'auto' (multi-client when every replica's
+        cells fit on one task, i.e. num_replicas is a multiple of the number of tasks).
+      shard_optimizer_state: ZeRO-1, sets `train.shard_optimizer_state`: each of the R
+        data-parallel replicas keeps 1/R of the optimizer slots (lingvo_lite/sharded_optimizer).
       tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
         TPUStrategy, cell k on core k of each replica; None = no TPU unless a
         PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
@@ -101,6 +108,8 @@ class RunOptions:
     profile_steps: str = ""
     tpu: str | None = None
     reset_input_position: bool = False
+    shard_optimizer_state: bool = False
+    cluster_mode: str = "auto"
     equivalence_tolerance: float | None = None
     plan_devices: int | None = None
     plan_memory_per_device: str | None = None
@@ -121,9 +130,12 @@ class RunOptions:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("max_steps", self.max_steps, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        for name in ("deterministic", "reset_input_position"):
+        for name in ("deterministic", "reset_input_position", "shard_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"--{name}={getattr(self, name)!r} must be true or false.")
+        if self.cluster_mode not in CLUSTER_MODES:
+            raise UsageError(f"--cluster_mode={self.cluster_mode!r} is unknown; use one of "
+                             f"{', '.join(CLUSTER_MODES)}.")
         if self.reset_input_position and self.mode not in TRAIN_MODES:
             raise UsageError(f"--reset_input_position only applies to training, not "
                              f"--mode={self.mode}; drop it.")

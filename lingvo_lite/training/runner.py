@@ -296,6 +296,12 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
 
         cluster = cluster_lib.from_environment()
     if cluster is not None:
+        from lingvo_lite.training import multi_client
+
+        if multi_client.choose_mode(options, cluster, config.task_params) == \
+                multi_client.MULTI_CLIENT:  # Every task a client of its own replicas.
+            return multi_client.prepare(options, config, cluster, eval_splits, out, err,
+                                        locked=_locked)
         # The mesh's R x K devices are spread evenly over the tasks; each serves its share.
         num_cpus = cluster.devices_per_task(
             model_config.auto_num_logical_cpus(config.task_params))

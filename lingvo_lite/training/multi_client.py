@@ -1,0 +1,276 @@
+"""Multi-client training: every task of a TF_CONFIG cluster is a client of its own replicas.
+
+Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tasks and
+`--num_replicas=R` (a multiple of N), task i
+- builds its R/N replicas of the pipeline, each on K of its own logical devices;
+- reads only its shard of the input: part i of every global batch (`BaseInputGenerator.shard`;
+  examples, seeds and order as one process would give that part);
+- sums cell k's gradients over all R replicas of all tasks with TensorFlow's collective
+  all-reduce across the cluster (`pipeline/process_group.py`, the mechanism of
+  MultiWorkerMirroredStrategy), and pools batch-norm moments and scalar outputs over the
+  global batch (`pipeline/cross_process.py`); dropout masks follow each example's place in the
+  global batch, so they do not depend on N;
+- restores the chief's latest checkpoint (every task must read the same --logdir: one
+  machine, or a shared file system); the tasks check with a collective that they restored the
+  same step. The chief (task 0) alone writes checkpoints, summaries, params.txt and
+  evaluations; each task saves its input position at the checkpoint steps
+  (`input_positions.py`), so a rerun resumes exactly.
+
+Faults reuse the cluster's UDP heartbeats (`cluster.Channel`): a task that stops answering
+for LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line; a task
+started late is waited for (with a message, up to CHIEF_START_TIMEOUT_S); a task whose
+TF_CONFIG or trainer.py flags differ is refused in one line. A run ends when every task has
+finished its last step (no task leaves while another still needs its part of a collective).
+
+`choose_mode` picks multi-client when every replica fits on one task (R a multiple of N),
+else single-client (`cluster.py`: task 0 drives the whole mesh, for a pipeline whose cells
+span hosts); `--cluster_mode` forces either.
+
+Example (README, "Running on several devices and hosts"): three tasks on one machine,
+
+    for i in 0 1 2; do TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223",
+      "127.0.0.1:2224"]}, "task": {"type": "worker", "index": '$i'}}' .venv/bin/python
+      trainer.py --model=... --logdir=/tmp/run --num_replicas=3 --num_cells=2 & done
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
+
+from lingvo_lite.training import cluster as cluster_lib
+from lingvo_lite.training import model_config
+from lingvo_lite.training.options import UsageError
+
+if TYPE_CHECKING:
+    from lingvo_lite.training.options import RunOptions
+
+__all__: list[str] = []
+
+MULTI_CLIENT = "multi_client"
+SINGLE_CLIENT = "single_client"
+FINAL_WAIT_S = 30.0  # How long a finished task waits for the others to finish.
+Job = Callable[[], int]
+
+
+def choose_mode(options: RunOptions, config: cluster_lib.ClusterConfig,
+                task_params: Any) -> str:
+    """MULTI_CLIENT or SINGLE_CLIENT for this cluster (see the module docstring).
+
+    Raises:
+      UsageError: --cluster_mode=multi_client where a replica cannot live on one task.
+    """
+    pipelines = list(model_config.iter_pipelining_params(task_params))
+    replicas = sorted({pp.num_replicas for _, pp in pipelines})
+    n = config.num_tasks
+    why = None
+    if not pipelines:
+        why = "the model has no PipeliningLayer whose gradients the tasks could sum"
+    elif len(replicas) > 1:
+        why = f"its PipeliningLayers ask for different num_replicas {replicas}"
+    elif replicas[0] % n:
+        why = (f"num_replicas={replicas[0]} is not a multiple of the {n} tasks (each task "
+               "holds whole replicas)")
+    if options.cluster_mode == SINGLE_CLIENT:
+        return SINGLE_CLIENT
+    if why is None:
+        return MULTI_CLIENT
+    if options.cluster_mode == MULTI_CLIENT:
+        raise UsageError(f"--cluster_mode=multi_client: {why}; set --num_replicas to a "
+                         f"multiple of {n}, or use --cluster_mode=single_client.")
+    return SINGLE_CLIENT
+
+
+def prepare(options: RunOptions, config: model_config.ModelConfig,
+            cluster: cluster_lib.ClusterConfig, eval_splits: dict, out: TextIO, err: TextIO,
+            locked: Callable[..., Job]) -> Job:
+    """Setup of a multi-client task: devices, collectives, the model, restore; the job.
+
+    `locked(logdir, err, prepare_job, on_acquired=...)` is the runner's logdir lock, which
+    only the chief takes (the tasks share the logdir).
+    """
+    from lingvo_lite.training import analysis
+
+    task_params = config.task_params
+    n, me = cluster.num_tasks, cluster.task_index
+    _check_options(options, task_params, n)
+    # params.txt and the analysis describe the whole run (R replicas), as one process would.
+    params_text = task_params.ToText()
+    analysis_text = analysis.describe_model(config.name, task_params)
+    (_, first), *_ = model_config.iter_pipelining_params(task_params)
+    replicas, local = first.num_replicas, first.num_replicas // n
+    for _, pp in model_config.iter_pipelining_params(task_params):
+        pp.num_replicas = local
+        if isinstance(pp.placement, str) and pp.placement.startswith("cluster"):
+            pp.placement = "auto"  # This task's own devices.
+    num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(task_params)
+
+    from lingvo_lite.pipeline import process_group
+
+    process_group.initialize(cluster.addresses, me, num_cpus, options.intra_op_threads,
+                             options.inter_op_threads)
+    from lingvo_lite import devices
+
+    devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
+    import tensorflow as tf
+
+    if options.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    if options.seed is not None:
+        tf.random.set_seed(options.seed)
+    logdir = options.abs_logdir
+    model_config.set_layer_profile_paths(task_params, logdir)
+    print(f"Model {config.name}, mode {options.mode}, multi-client task {me} of {n}: "
+          f"{local} of the {replicas} replica(s) on {num_cpus} logical CPU device(s) of this "
+          f"task, input shard {me} of {n}.\nLogdir: {logdir}", file=out, flush=True)
+    _wait_for_peers(cluster, out)
+    watch = _Watch(cluster, logdir).start()
+
+    def build() -> Job:
+        from lingvo_lite.training import loop, multi_client_trainer
+
+        eval_spec = None
+        if cluster.is_chief and eval_splits:
+            eval_spec = loop.EvalSpec(eval_splits, task_params.eval.max_eval_batches)
+        return multi_client_trainer.build(
+            task_params=task_params, cluster=cluster, logdir=logdir, params_text=params_text,
+            analysis_text=analysis_text, eval_spec=eval_spec, out=out, err=err,
+            reset_input_position=options.reset_input_position).run
+
+    if cluster.is_chief:
+        job = locked(logdir, err, build,
+                     on_acquired=lambda lock: cluster_lib.before_exit(lock.release))
+    else:
+        job = build()
+    return lambda: _supervised(job, cluster, watch, out, err)
+
+
+def _check_options(options: RunOptions, task_params: Any, n: int) -> None:
+    inp = task_params.input
+    if options.profile_steps:
+        raise UsageError("--profile_steps in a multi-client cluster: profile one process (no "
+                         "TF_CONFIG) or --cluster_mode=single_client.")
+    if inp is not None and not inp.repeat:
+        raise UsageError(
+            "input.repeat=False in a multi-client cluster: the tasks' shards would run out at "
+            "different steps; set --input_params_override='repeat : True' (train.max_steps "
+            "ends the run).")
+    if inp is not None and inp.batch_size % n:
+        raise UsageError(
+            f"input.batch_size={inp.batch_size} does not split over the {n} tasks; make it a "
+            f"multiple of {n} (--input_params_override='batch_size : <int>').")
+
+
+def _wait_for_peers(cluster: cluster_lib.ClusterConfig, out: TextIO) -> None:
+    """Waits (bounded) until every other task answers heartbeats and serves collectives."""
+    channel = cluster_lib.channel()
+    peers = [t for t in range(cluster.num_tasks) if t != cluster.task_index]
+    deadline = time.monotonic() + cluster_lib.CHIEF_START_TIMEOUT_S
+    told = False
+    while True:
+        missing = [t for t in peers
+                   if (channel is not None and channel.last_answer(t) is None)
+                   or not cluster_lib.reachable(cluster.addresses[t], timeout=0.5)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            named = ", ".join(f"{t} ({cluster.addresses[t]})" for t in missing)
+            raise UsageError(
+                f"TF_CONFIG task(s) {named} did not start within "
+                f"{cluster_lib.CHIEF_START_TIMEOUT_S:.0f} s; start trainer.py with the same "
+                "command on every task, each with its own TF_CONFIG.")
+        if not told:
+            print(f"Task {cluster.task_index}: waiting for task(s) {missing} to start (up to "
+                  f"{cluster_lib.CHIEF_START_TIMEOUT_S:.0f} s)...", file=out, flush=True)
+            told = True
+        time.sleep(0.5)
+
+
+def lost_message(cluster: cluster_lib.ClusterConfig, task: int, logdir: str) -> str:
+    from lingvo_lite.training import checkpointer
+
+    address = cluster.addresses[task] if 0 <= task < cluster.num_tasks else "unknown address"
+    if cluster.is_chief:
+        latest = checkpointer.latest_checkpoint(logdir)
+        kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
+        return (f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
+                f"answering; {kept}. Rerun every process with the same command to resume.")
+    whom = "the chief (task 0" if task == 0 else f"task {task} ("
+    return (f"trainer.py: error: task {cluster.task_index} lost {whom} at {address}): it "
+            f"stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before training ended. "
+            "Rerun every process with the same command to resume from the last checkpoint.")
+
+
+class _Watch:
+    """Ends this task with one line when another stops answering for LOST_AFTER_S."""
+
+    def __init__(self, cluster: cluster_lib.ClusterConfig, logdir: str) -> None:
+        self.cluster, self.logdir = cluster, logdir
+        self._stop = threading.Event()
+        self._seen = {t: time.monotonic() for t in range(cluster.num_tasks)
+                      if t != cluster.task_index}
+
+    def start(self) -> _Watch:
+        threading.Thread(target=self._run, name="multi-client-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stale(self, task: int) -> float:
+        """Seconds since `task` last proved alive (heartbeat, else a TCP connection)."""
+        channel = cluster_lib.channel()
+        answered = channel.last_answer(task) if channel is not None else None
+        if answered is not None:
+            self._seen[task] = max(self._seen[task], answered)
+        elif cluster_lib.reachable(self.cluster.addresses[task], timeout=0.5):
+            self._seen[task] = time.monotonic()
+        return time.monotonic() - self._seen[task]
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for t in self._seen:
+                if self.stale(t) > cluster_lib.LOST_AFTER_S and not self._stop.is_set():
+                    cluster_lib.exit_now(lost_message(self.cluster, t, self.logdir))
+
+
+def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out: TextIO,
+                err: TextIO) -> int:
+    """Runs the task's job; a collective that failed names the lost task; then waits for
+    every task to finish and ends the process (gRPC servers keep the interpreter alive)."""
+    import tensorflow as tf
+
+    try:
+        status = job()
+    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+            tf.errors.DeadlineExceededError, tf.errors.InternalError):
+        # A task that died fails the collectives at once: name it (bounded) like the watch.
+        deadline = time.monotonic() + cluster_lib.LOST_AFTER_S + 5.0
+        while time.monotonic() < deadline:
+            for t in watch._seen:
+                if not cluster_lib.reachable(cluster.addresses[t], timeout=0.5):
+                    cluster_lib.exit_now(lost_message(cluster, t, watch.logdir))
+            time.sleep(1.0)  # Stopped, not dead: the watch ends the process.
+        cluster_lib.exit_now(lost_message(cluster, -1, watch.logdir))
+    watch.stop()
+    out.flush()
+    err.flush()
+    channel = cluster_lib.channel()
+    if status == 0 and channel is not None:
+        channel.set_state("finished")
+        channel.ping_now()
+        deadline = time.monotonic() + FINAL_WAIT_S
+        while time.monotonic() < deadline and not all(
+                channel.peer_state(t) == "finished" or watch.stale(t) > 3.0
+                for t in watch._seen):
+            time.sleep(0.2)
+        channel.ping_now()  # The last to finish tells the others before leaving.
+        time.sleep(0.2)
+    if cluster.is_chief:
+        cluster_lib.exit_now(f"Chief: done (exit status {status}).", status=status)
+    chief = "finished" if channel is None or channel.peer_state(0) == "finished" else "is gone"
+    cluster_lib.exit_now(f"Task {cluster.task_index}: done (exit status {status}); the chief "
+                         f"{chief}; exiting.", status=status)
+    return status
