@@ -16,8 +16,8 @@ connections, masks, several inputs) crosses it in the map.
 - `SharedNodeLayer`: a later call of such a layer (its weights read from the map), or a
   Keras op without weights (`keras.ops.add` on symbolic tensors).
 - `GraphOutputLayer`: the model's outputs (a tensor, a list or a NestedMap) as `x`,
-  beside the labels `y` and `sample_weight`, for `GraphLossLayer`: the compiled loss
-  (one per output, summed, as `Model.compile` does).
+  beside the labels `y` and `sample_weight`, for `GraphLossLayer` (graph_loss.py): the
+  compiled loss (one per output, summed, as `Model.compile` does).
 
 Example (a skip connection: 'x' is read again by the Add node, so it stays in the map):
     >>> import keras
@@ -44,7 +44,8 @@ from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory
-from lingvo_lite.keras import keras_flops, keras_layer, keras_loss
+from lingvo_lite.keras import keras_flops, keras_layer
+from lingvo_lite.keras.graph_loss import GraphLossLayer
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",
@@ -322,7 +323,7 @@ class GraphOutputLayer(base_layer.BaseLayer):
         out = NestedMap(x=pack_outputs(self.params.outputs, inputs))
         if self.params.output_mask:
             out.x_mask = inputs[self.params.output_mask]
-        for key in ("y", "sample_weight", "loss_scale"):
+        for key in ("y", "sample_weight", "loss_scale", "num_micro_batches"):
             if inputs.get(key) is not None:
                 out[key] = inputs[key]
         return out
@@ -333,105 +334,3 @@ class GraphOutputLayer(base_layer.BaseLayer):
         if p.output_mask:
             out.x_mask = inputs[p.output_mask]
         return base_layer.fprop_meta(0.0, out, 0, p.dtype)
-
-
-def _entry(setting: Any, name: Any, index: int) -> Any:
-    """One output's entry of a compile setting: by name (dict), position (list) or shared."""
-    if isinstance(setting, dict):
-        return setting.get(name) if name in setting or len(setting) != 1 else \
-            next(iter(setting.values()))
-    if isinstance(setting, (list, tuple)):
-        return setting[index]
-    return setting
-
-
-class GraphLossLayer(base_layer.BaseLayer):
-    """The compiled loss on the model's outputs: NestedMap(x, y[, sample_weight]) -> loss.
-
-    The loss given to `set_loss` (as to `compile`) is one loss (for every output), a list
-    (one per output, in order) or a dict by output name; several outputs' losses are summed,
-    as `Model.compile` does. Each is its micro-batch's mean ('sum_over_batch_size', Keras'
-    default: other reductions are refused), so the mean over equal micro-batches is the
-    mini-batch loss.
-    """
-
-    def __init__(self, params: hyperparams.InstantiableParams) -> None:
-        super().__init__(params)
-        self._spec: Any = None
-        self._weights: Any = None
-
-    def set_loss(self, loss: Any, loss_weights: Any = None) -> None:
-        """Uses `loss` and `loss_weights` (any form `compile` takes) from now on."""
-        for entry in tree.flatten(loss) if isinstance(loss, (dict, list, tuple)) else [loss]:
-            if entry is None:
-                continue
-            reduction = getattr(keras_loss.make_loss(entry), "reduction", None)
-            if reduction not in (None, "sum_over_batch_size"):
-                raise ValueError(
-                    f"PipelinedModel: loss reduction {reduction!r} is not supported for "
-                    "functional models yet; use the default 'sum_over_batch_size'.")
-        self._spec = loss
-        self._weights = loss_weights
-
-    @property
-    def loss(self) -> Any:
-        return self._spec
-
-    def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
-        del theta  # No weights.
-        out = NestedMap(predictions=inputs.x)
-        mask = inputs.get("x_mask")
-        if mask is not None:
-            out.predictions_mask = mask
-        if inputs.get("y") is None:
-            return out
-        if self._spec is None:
-            raise ValueError(f"{self.path}: no loss to train with; compile the model with "
-                             "loss=....")
-        if not isinstance(inputs.x, (NestedMap, list)):
-            x = inputs.x
-            if mask is not None:
-                # Keras divides a masked loss by the micro-batch's unmasked entries: the
-                # pipeline weighs each micro-batch's mean by that count (loss_weight).
-                x = tf.identity(x)
-                set_keras_mask(x, mask)
-                out.loss_weight = tf.reduce_sum(tf.cast(mask, tf.float32))
-            out.loss = self._one_loss(self._spec, inputs.y, x, inputs.get("sample_weight"))
-            weight = _entry(self._weights, "", 0)
-            if weight is not None:
-                out.loss = out.loss * float(weight)
-            return self._scaled(out, inputs)
-        names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
-        weight = inputs.get("sample_weight")
-        total = tf.constant(0.0)
-        for i, name in enumerate(names):
-            loss = _entry(self._spec, name, i)
-            if loss is not None:
-                w = weight[name] if isinstance(weight, (dict, list)) else weight
-                one = self._one_loss(loss, inputs.y[name], inputs.x[name], w)
-                factor = _entry(self._weights, name, i)
-                total += one if factor is None else one * float(factor)
-        out.loss = total
-        return self._scaled(out, inputs)
-
-    @staticmethod
-    def _scaled(out: NestedMap, inputs: NestedMap) -> NestedMap:
-        """The loss times the mixed-precision loss scale, if the step passes one."""
-        if inputs.get("loss_scale") is not None:
-            out.loss = out.loss * tf.cast(inputs.loss_scale, out.loss.dtype)
-        return out
-
-    @staticmethod
-    def _one_loss(loss: Any, y: Any, x: Any, sample_weight: Any) -> tf.Tensor:
-        return tf.cast(keras_loss.make_loss(loss)(y, x, sample_weight=sample_weight), tf.float32)
-
-    @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, inputs: Any) -> NestedMap:
-        x = inputs.x if isinstance(inputs, NestedMap) else inputs
-        elements = sum(int(tf.TensorShape(s).num_elements() or 0)
-                       for s in NestedMap(x=x).Flatten())
-        out = NestedMap(predictions=x, loss=tf.TensorShape([]))
-        if isinstance(inputs, NestedMap) and "x_mask" in inputs:
-            out.predictions_mask = inputs.x_mask
-        return base_layer.fprop_meta(keras_loss.LOSS_FLOPS_PER_ELEMENT * elements, out, 0,
-                                     tf.float32)

@@ -49,8 +49,8 @@ from keras.src.losses.loss import apply_mask
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.nested_map import NestedMap
 
-__all__ = ["KerasLossLayer", "make_loss", "micro_batch_loss", "reduction_of", "serialize_loss",
-           "SUPPORTED_REDUCTIONS"]
+__all__ = ["KerasLossLayer", "check_reduction", "make_loss", "micro_batch_loss", "reduction_of",
+           "serialize_loss", "sparse_accuracy", "SUPPORTED_REDUCTIONS"]
 
 # Reductions whose mini-batch loss the micro-batches reproduce exactly (module doc).
 SUPPORTED_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum")
@@ -90,6 +90,19 @@ def serialize_loss(loss: Any) -> Any:
     return loss if isinstance(loss, str) else keras.losses.serialize(loss)
 
 
+def check_reduction(loss: keras.losses.Loss, where: str) -> None:
+    """Refuses (one line) a loss whose reduction the micro-batches cannot reproduce ('none').
+
+    Example:
+        >>> check_reduction(make_loss('mse'), 'loss')   # 'sum_over_batch_size': trains.
+    """
+    if reduction_of(loss) not in SUPPORTED_REDUCTIONS:
+        raise ValueError(
+            f"{where}: the loss's reduction={reduction_of(loss)!r} returns a loss per example, "
+            "not one number a pipeline can train on; use one of "
+            f"{', '.join(repr(r) for r in SUPPORTED_REDUCTIONS)}.")
+
+
 def micro_batch_loss(loss: keras.losses.Loss, x: tf.Tensor, mask: Any, y: Any,
                      sample_weight: Any = None, num_micro_batches: Any = None,
                      where: str = "KerasLossLayer") -> tuple[tf.Tensor, tf.Tensor | None]:
@@ -126,6 +139,23 @@ def micro_batch_loss(loss: keras.losses.Loss, x: tf.Tensor, mask: Any, y: Any,
     return tf.math.divide_no_nan(total, count), count
 
 
+def sparse_accuracy(x: tf.Tensor, y: Any, mask: Any = None) -> tf.Tensor:
+    """The share of examples (or unmasked positions) whose largest prediction is the integer
+    label `y`.
+
+    Example:
+        >>> float(sparse_accuracy(tf.constant([[0.1, 0.9], [0.8, 0.2]]), tf.constant([1, 1])))
+        0.5
+    """
+    predicted = tf.argmax(x, axis=-1, output_type=tf.int32)
+    correct = tf.cast(tf.equal(
+        predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted))), tf.float32)
+    if mask is None:
+        return tf.reduce_mean(correct)
+    valid = tf.cast(tf.reshape(mask, tf.shape(correct)), tf.float32)
+    return tf.math.divide_no_nan(tf.reduce_sum(correct * valid), tf.reduce_sum(valid))
+
+
 class KerasLossLayer(base_layer.BaseLayer):
     """Applies a Keras loss to a pipeline's last boundary map; see the module doc."""
 
@@ -153,11 +183,8 @@ class KerasLossLayer(base_layer.BaseLayer):
         """Uses `loss` (any form `compile(loss=...)` takes), times `loss_weight`, from now on."""
         self._loss = make_loss(loss) if loss is not None else None
         self._loss_weight = loss_weight
-        if self._loss is not None and reduction_of(self._loss) not in SUPPORTED_REDUCTIONS:
-            raise ValueError(
-                f"{self.path}: the loss's reduction={reduction_of(self._loss)!r} returns a "
-                "loss per example, not one number a pipeline can train on; use "
-                f"one of {', '.join(repr(r) for r in SUPPORTED_REDUCTIONS)}.")
+        if self._loss is not None:
+            check_reduction(self._loss, self.path)
 
     @property
     def loss(self) -> keras.losses.Loss | None:
@@ -190,15 +217,7 @@ class KerasLossLayer(base_layer.BaseLayer):
         if weight is not None:
             out.loss_weight = weight
         if self.params.sparse_accuracy:
-            predicted = tf.argmax(x, axis=-1, output_type=tf.int32)
-            correct = tf.cast(tf.equal(
-                predicted, tf.reshape(tf.cast(y, tf.int32), tf.shape(predicted))), tf.float32)
-            if mask is None:
-                out.accuracy = tf.reduce_mean(correct)
-            else:  # Over the unmasked positions; micro-batches weigh by their count.
-                valid = tf.cast(tf.reshape(mask, tf.shape(correct)), tf.float32)
-                out.accuracy = tf.math.divide_no_nan(tf.reduce_sum(correct * valid),
-                                                     tf.reduce_sum(valid))
+            out.accuracy = sparse_accuracy(x, y, mask)
         return out
 
     @classmethod
