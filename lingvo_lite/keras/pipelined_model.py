@@ -158,13 +158,7 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
             layers = layers()
         layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
     if loss is not None:
-        reduction = keras_loss.reduction_of(keras_loss.make_loss(loss))
-        if reduction not in keras_loss.SUPPORTED_REDUCTIONS or reduction == "sum":
-            raise ValueError(
-                f"pipeline_params: the loss's reduction={reduction!r} is not supported in a "
-                "trainer.py task (reduction='sum' needs the number of micro-batches, which "
-                "PipelinedModel passes); use 'sum_over_batch_size' or "
-                "'mean_with_sample_weight'.")
+        check_task_loss(loss, "pipeline_params")
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
         name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
     return pipelining_layer.PipeliningLayer.Params().Set(
@@ -175,6 +169,17 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
         serial_devices=serial_devices, input_buckets=input_buckets,
         input_shapes=(NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape]))
                       if not input_buckets else pipeline_buckets.largest(input_buckets)))
+
+
+def check_task_loss(loss: Any, where: str) -> None:
+    """Refuses (one line) a loss a trainer.py task cannot train as Keras would."""
+    reduction = keras_loss.reduction_of(keras_loss.make_loss(loss))
+    if reduction not in keras_loss.SUPPORTED_REDUCTIONS or reduction == "sum":
+        raise ValueError(
+            f"{where}: the loss's reduction={reduction!r} is not supported in a "
+            "trainer.py task (reduction='sum' needs the number of micro-batches, which "
+            "PipelinedModel passes); use 'sum_over_batch_size' or "
+            "'mean_with_sample_weight'.")
 
 
 @keras.saving.register_keras_serializable(package="lingvo_lite")
