@@ -221,6 +221,8 @@ def uses_measured_costs(p: hyperparams.Params) -> bool:
 def _apply_flags(p: hyperparams.InstantiableParams, options: RunOptions) -> None:
     if options.max_steps is not None:
         p.train.max_steps = options.max_steps
+    if options.shard_optimizer_state:
+        p.train.shard_optimizer_state = True
     flags = {"num_cells": options.num_cells, "num_micro_batches": options.num_micro_batches,
              "num_replicas": options.num_replicas}
     given = [name for name, value in flags.items() if value is not None]
