@@ -47,7 +47,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
 from lingvo_lite import optimizers
-from lingvo_lite.pipeline import collectives
+from lingvo_lite.pipeline import collectives, process_group
 
 __all__ = ["ShardedOptimizer", "check_shardable"]
 
@@ -59,6 +59,13 @@ def check_shardable(optimizer: optimizers.BaseOptimizer, num_replicas: int,
         raise ValueError(
             "train.shard_optimizer_state=True under a tf.distribute strategy (TPU): the "
             "strategy keeps the optimizer state; drop --shard_optimizer_state.")
+    group = process_group.current()
+    if group is not None and group.num_processes > 1:
+        raise ValueError(
+            "train.shard_optimizer_state=True in a multi-client cluster: saving the sharded "
+            "slots needs every task's shards gathered at each checkpoint, which multi-client "
+            "runs do not do yet; use --cluster_mode=single_client or drop "
+            "--shard_optimizer_state.")
     if num_replicas < 2:
         raise ValueError(
             f"train.shard_optimizer_state=True with {num_replicas} replica: there is nothing to "

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +23,7 @@ from pipeline_test import BATCH, IN_DIM, _loss, _proj, input_shapes, make_batch
 
 from lingvo_lite import fprop_context, optimizers, pipelined_task, sharded_optimizer
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import collectives, pipelining_layer
+from lingvo_lite.pipeline import collectives, pipelining_layer, process_group
 from lingvo_lite.training import options, runner
 
 LEARNING_RATE = 0.05
@@ -154,6 +155,10 @@ class RanksAndRefusalsTest(tf.test.TestCase):
             with self.assertRaisesRegex(ValueError, message) as e:
                 sharded_optimizer.check_shardable(opt, replicas, strategy)
             self.assertNotIn("\n", str(e.exception))
+        two_tasks = process_group.ProcessGroup(("127.0.0.1:1", "127.0.0.1:2"), 0)
+        with mock.patch.object(process_group, "_current", two_tasks), \
+                self.assertRaisesRegex(ValueError, "^[^\n]*multi-client[^\n]*$"):
+            sharded_optimizer.check_shardable(optimizers.Adam.Params().Instantiate(), 2)
         out = io.StringIO()
         status = runner.main(options.RunOptions(
             model="testdata_models.TinyMlp", model_modules=("testdata_models",), max_steps=1,
