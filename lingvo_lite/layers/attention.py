@@ -3,7 +3,8 @@
 Queries, keys and values are projected to `num_heads` heads of depth
 `hidden_dim / num_heads`; each head computes softmax(q k^T / sqrt(dh)) v over
 the key positions that are not padded (and, with `causal_mask`, not in the
-future); the heads are concatenated and projected back to `input_dim`. The
+future; with segment ids, in the query's segment: several sequences packed in one
+row do not see each other); the heads are concatenated and projected back to `input_dim`. The
 softmax always runs in float32, also when activations are bfloat16.
 """
 
@@ -119,6 +120,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         key_vec: tf.Tensor,
         value_vec: tf.Tensor,
         paddings: tf.Tensor | None = None,
+        segment_ids: tuple[tf.Tensor, tf.Tensor] | None = None,
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """Like FProp, also returning the attention probabilities.
 
@@ -147,6 +149,11 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         valid = None  # bool, broadcastable to logits; True where the key may be attended.
         if paddings is not None:
             valid = tf.cast(paddings, tf.float32)[:, tf.newaxis, tf.newaxis, :] < 0.5
+        if segment_ids is not None:  # Packed rows: a query sees only its own segment's keys.
+            q_seg, k_seg = segment_ids
+            same = tf.equal(q_seg[:, tf.newaxis, :, tf.newaxis],
+                            k_seg[:, tf.newaxis, tf.newaxis, :])
+            valid = same if valid is None else tf.logical_and(valid, same)
         if p.causal_mask:
             t = tf.shape(logits)[-1]
             causal = tf.linalg.band_part(tf.ones([t, t], tf.bool), -1, 0)  # key <= query
@@ -172,6 +179,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         key_vec: tf.Tensor,
         value_vec: tf.Tensor,
         paddings: tf.Tensor | None = None,
+        segment_ids: tuple[tf.Tensor, tf.Tensor] | None = None,
     ) -> tf.Tensor:
         """Attends `query_vec` [B, Tq, D] over `key_vec`/`value_vec` [B, Tk, D].
 
@@ -181,11 +189,14 @@ class MultiHeadedAttention(base_layer.BaseLayer):
           key_vec: [B, Tk, input_dim].
           value_vec: [B, Tk, input_dim].
           paddings: [B, Tk], 1.0 at padded key positions (never attended), or None.
+          segment_ids: (query [B, Tq], key [B, Tk]) int segment ids of packed rows: a query
+            attends only keys of its segment. None: one sequence per row.
 
         Returns:
           [B, Tq, input_dim] in the fprop dtype.
         """
-        return self.FPropWithProbs(theta, query_vec, key_vec, value_vec, paddings)[0]
+        return self.FPropWithProbs(theta, query_vec, key_vec, value_vec, paddings,
+                                   segment_ids)[0]
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, query_shape: Any, key_shape: Any,

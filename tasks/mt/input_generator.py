@@ -13,7 +13,10 @@ source and its target, is padded to that length, and is batched with pairs of it
 batches of that bucket's `bucket_batch_sizes` (fewer, longer sentences per batch keep the
 tokens per batch about constant). Batches keep the stream's order within each bucket, so they
 are deterministic and an iterator restored from a checkpoint continues exactly; the pipeline
-declares the same shapes as its `input_buckets` (`bucket_shapes`). Batch fields:
+declares the same shapes as its `input_buckets` (`bucket_shapes`). With `pack`, consecutive
+pairs share a row while they fit (packing.py), and each batch also has src_segment_ids,
+src_segment_pos, tgt_segment_ids and tgt_segment_pos [B, S] / [B, T] int32 (the pair of each
+position, 0 for padding, and its position within the pair). Batch fields:
 
   src_ids [B, S] int32       source pieces + EOS, then PAD
   src_paddings [B, S] f32    1.0 at padded positions
@@ -36,7 +39,7 @@ from absl import logging
 
 from lingvo_lite import base_input_generator, hyperparams
 from lingvo_lite.nested_map import NestedMap
-from tasks.mt import corpus, layers, vocab
+from tasks.mt import corpus, layers, packing, vocab
 
 __all__ = [
     "batch_for_decoding",
@@ -157,6 +160,10 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
         p.Define("bucket_batch_sizes", None,
                  "With bucket_lengths: the batch size of each bucket (e.g. [96, 48, 32] for "
                  "about 768 source tokens per batch); batch_size is then unused.")
+        p.Define("pack", False,
+                 "Pack consecutive pairs into rows of max_source_length / max_target_length "
+                 "while they fit (greedy, deterministic), with segment ids and positions; the "
+                 "network then needs layers.input_shapes(..., packed=True).")
         p.batch_size = 64
         return p
 
@@ -172,6 +179,9 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
         if p.generate not in GENERATORS:
             raise ValueError(f"ParallelTextInput: generate={p.generate!r}; use 'en_de_numbers' "
                              "or '' (your own files).")
+        if p.pack and p.bucket_lengths is not None:
+            raise ValueError("ParallelTextInput: pack=True with bucket_lengths: packed rows are "
+                             "filled to max_source_length / max_target_length; use one of them.")
         if p.bucket_lengths is not None or p.bucket_batch_sizes is not None:
             _check_buckets(p.bucket_lengths, p.bucket_batch_sizes,
                            max(p.max_source_length, p.max_target_length))
@@ -203,6 +213,8 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
         self._num_examples = len(arrays["src_ids"])
         if p.bucket_lengths:
             arrays = _bucketed(arrays, p.bucket_lengths)
+        if p.pack:
+            arrays = packing.pack(arrays, p.max_source_length, p.max_target_length)
         return tf.data.Dataset.from_tensor_slices(arrays)
 
     def _batch(self, ds: tf.data.Dataset) -> tf.data.Dataset:

@@ -41,6 +41,11 @@ from lingvo_lite.layers import attention, dropout, embedding, feedforward, losse
 from lingvo_lite.nested_map import NestedMap
 
 _TARGET_FIELDS = ("tgt_paddings", "tgt_labels", "tgt_weights")
+# Packed rows (several pairs per row, ParallelTextInput.pack): each position's segment (1, 2, ...
+# for the pairs, 0 for padding) and its position within the segment. The ids travel with the
+# streams so attention stays within a segment; positions are only read by the embedding.
+PACKED_FIELDS = ("src_segment_ids", "src_segment_pos", "tgt_segment_ids", "tgt_segment_pos")
+_SEGMENT_FIELDS = ("src_segment_ids", "tgt_segment_ids")
 # Per element: sin/cos table (~2 transcendental + scale) and the add; a rough count.
 _POSITION_FLOPS_PER_ELEMENT = 4
 
@@ -81,6 +86,17 @@ def _meta(flops: float, out: NestedMap, num_params: int, p: hyperparams.Params,
         return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype)
     return base_layer.fprop_meta(flops, out, num_params, p.fprop_dtype or p.dtype,
                                  memory=layer_memory.composite(children, saved_extra))
+
+
+def _present(fields: tuple[str, ...], inputs: Any) -> tuple[str, ...]:
+    return tuple(k for k in fields if k in inputs)
+
+
+def _segments(inputs: NestedMap, query: str, key: str) -> tuple[tf.Tensor, tf.Tensor] | None:
+    """(query, key) segment ids of packed rows, or None."""
+    if f"{key}_segment_ids" not in inputs:
+        return None
+    return inputs[f"{query}_segment_ids"], inputs[f"{key}_segment_ids"]
 
 
 def _shape3(shape: Any, dim: int, what: str, where: str) -> tf.TensorShape:
@@ -124,11 +140,14 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
         return children
 
     def _embed(self, theta: NestedMap, table: str, ids: tf.Tensor,
-               paddings: tf.Tensor | None) -> tf.Tensor:
+               paddings: tf.Tensor | None, positions: tf.Tensor | None = None) -> tf.Tensor:
         p = self.params
         name = "emb" if p.share_embeddings else table
         x = self.children[name].EmbLookup(theta[name], ids)
-        x += positional_encoding(ids.shape[1], p.model_dim, x.dtype)
+        table_of_positions = positional_encoding(ids.shape[1], p.model_dim, x.dtype)
+        # Packed rows restart the positions at every segment.
+        x += table_of_positions if positions is None else tf.gather(table_of_positions,
+                                                                    positions)
         if paddings is not None:
             x *= tf.cast(1.0 - paddings, x.dtype)[:, :, tf.newaxis]
         if p.dropout_prob > 0.0:
@@ -149,10 +168,12 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
         inputs = _check_map(inputs, ("src_ids", "src_paddings", "tgt_ids") + _TARGET_FIELDS,
                             self.path)
         out = NestedMap(
-            x=self.EmbedSource(theta, inputs.src_ids, inputs.src_paddings),
+            x=self._embed(theta, "src_emb", inputs.src_ids, inputs.src_paddings,
+                          inputs.get("src_segment_pos")),
             src_paddings=inputs.src_paddings,
-            y=self.EmbedTarget(theta, inputs.tgt_ids, inputs.tgt_paddings))
-        for k in _TARGET_FIELDS:
+            y=self._embed(theta, "tgt_emb", inputs.tgt_ids, inputs.tgt_paddings,
+                          inputs.get("tgt_segment_pos")))
+        for k in _TARGET_FIELDS + _present(_SEGMENT_FIELDS, inputs):
             out[k] = inputs[k]
         return out
 
@@ -172,7 +193,7 @@ class EmbeddingInputLayer(base_layer.BaseLayer):
                 flops += 3 * n
             out[field] = meta.out_shapes[0]
         num_params = len(tables) * p.vocab_size * p.model_dim
-        for k in _TARGET_FIELDS:
+        for k in _TARGET_FIELDS + _present(_SEGMENT_FIELDS, inputs):
             out[k] = inputs[k]
         return _meta(flops, out, num_params, p)
 
@@ -204,12 +225,14 @@ class _AttentionBlock(base_layer.BaseLayer):
         return out
 
     def FProp(self, theta: NestedMap, x: tf.Tensor, paddings: tf.Tensor | None,
-              memory: tf.Tensor | None = None) -> tf.Tensor:
-        """x [B, Tq, D] attends to itself (memory None) or to `memory` [B, Tk, D]."""
+              memory: tf.Tensor | None = None,
+              segment_ids: tuple[tf.Tensor, tf.Tensor] | None = None) -> tf.Tensor:
+        """x [B, Tq, D] attends to itself (memory None) or to `memory` [B, Tk, D]; with
+        `segment_ids` (query's, key's) only within its segment."""
         x = tf.cast(x, self.fprop_dtype)
         h = self.ln.FProp(theta.ln, x)
         kv = h if memory is None else memory
-        h = self.atten.FProp(theta.atten, h, kv, kv, paddings)
+        h = self.atten.FProp(theta.atten, h, kv, kv, paddings, segment_ids)
         if "dropout" in self.children:
             h = self.dropout.FProp(theta.dropout, h)
         return x + h
@@ -279,7 +302,8 @@ class EncoderLayer(_TransformerLayer):
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         inputs = _check_map(inputs, ("x", "src_paddings"), self.path)
-        x = self.self_atten.FProp(theta.self_atten, inputs.x, inputs.src_paddings)
+        x = self.self_atten.FProp(theta.self_atten, inputs.x, inputs.src_paddings,
+                                  segment_ids=_segments(inputs, "src", "src"))
         out = inputs.copy()
         out.x = self.ffn.FProp(theta.ffn, x)
         return out
@@ -322,7 +346,7 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         out = NestedMap(x=tf.cast(inputs.y, self.fprop_dtype),
                         encoder_output=self.EncoderOutput(theta, inputs.x, inputs.src_paddings),
                         src_paddings=inputs.src_paddings)
-        for k in _TARGET_FIELDS:
+        for k in _TARGET_FIELDS + _present(_SEGMENT_FIELDS, inputs):
             out[k] = inputs[k]
         return out
 
@@ -334,7 +358,7 @@ class EncoderToDecoderLayer(base_layer.BaseLayer):
         ln_p = cls.declare_children(p)["ln"]
         ln = ln_p.cls.FPropMeta(ln_p, x)
         out = NestedMap(x=inputs.y, encoder_output=x, src_paddings=inputs.src_paddings)
-        for k in _TARGET_FIELDS:
+        for k in _TARGET_FIELDS + _present(_SEGMENT_FIELDS, inputs):
             out[k] = inputs[k]
         # Zeroing the padded positions keeps the layer norm's output and the [B, S, 1] mask.
         mask = base_layer.activation_bytes(x[:2].concatenate([1]), p.fprop_dtype or p.dtype)
@@ -355,9 +379,11 @@ class DecoderLayer(_TransformerLayer):
         inputs = _check_map(inputs, ("x", "tgt_paddings", "encoder_output", "src_paddings"),
                             self.path)
         # Causality alone hides future (and trailing padded) target positions from real ones.
-        x = self.self_atten.FProp(theta.self_atten, inputs.x, None)
+        x = self.self_atten.FProp(theta.self_atten, inputs.x, None,
+                                  segment_ids=_segments(inputs, "tgt", "tgt"))
         x = self.cross_atten.FProp(theta.cross_atten, x, inputs.src_paddings,
-                                   memory=tf.cast(inputs.encoder_output, self.fprop_dtype))
+                                   memory=tf.cast(inputs.encoder_output, self.fprop_dtype),
+                                   segment_ids=_segments(inputs, "tgt", "src"))
         out = inputs.copy()
         out.x = self.ffn.FProp(theta.ffn, x)
         return out
@@ -496,12 +522,18 @@ def transformer_layers(vocab_size: int, model_dim: int, hidden_dim: int, num_hea
     return layers
 
 
-def input_shapes(batch_size: int, max_source_length: int, max_target_length: int) -> NestedMap:
-    """Shapes of one mini-batch of `ParallelTextInput` (for FPropMeta and partitioning)."""
+def input_shapes(batch_size: int, max_source_length: int, max_target_length: int,
+                 packed: bool = False) -> NestedMap:
+    """Shapes of one mini-batch of `ParallelTextInput` (for FPropMeta and partitioning); with
+    `packed`, also its PACKED_FIELDS."""
     src = tf.TensorShape([batch_size, max_source_length])
     tgt = tf.TensorShape([batch_size, max_target_length])
-    return NestedMap(src_ids=src, src_paddings=src, tgt_ids=tgt, tgt_paddings=tgt,
-                     tgt_labels=tgt, tgt_weights=tgt)
+    out = NestedMap(src_ids=src, src_paddings=src, tgt_ids=tgt, tgt_paddings=tgt,
+                    tgt_labels=tgt, tgt_weights=tgt)
+    if packed:
+        for k in PACKED_FIELDS:
+            out[k] = src if k.startswith("src") else tgt
+    return out
 
 
 def count_params(model_dim: int, hidden_dim: int, atten_hidden_dim: int, vocab_size: int,
@@ -516,5 +548,6 @@ def count_params(model_dim: int, hidden_dim: int, atten_hidden_dim: int, vocab_s
             + 2 * model_dim + softmax)
 
 
-__all__ = ["EmbeddingInputLayer", "EncoderLayer", "EncoderToDecoderLayer", "DecoderLayer",
-    "SoftmaxLayer", "transformer_layers", "positional_encoding", "input_shapes", "count_params"]
+__all__ = ["PACKED_FIELDS", "EmbeddingInputLayer", "EncoderLayer", "EncoderToDecoderLayer",
+    "DecoderLayer", "SoftmaxLayer", "transformer_layers", "positional_encoding", "input_shapes",
+    "count_params"]

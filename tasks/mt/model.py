@@ -82,7 +82,8 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         self._decode_fns: dict[Any, Any] = {}
 
     def NetworkInputs(self, input_batch: NestedMap) -> NestedMap:
-        return NestedMap({k: input_batch[k] for k in NETWORK_FIELDS})
+        fields = NETWORK_FIELDS + tuple(k for k in layers.PACKED_FIELDS if k in input_batch)
+        return NestedMap({k: input_batch[k] for k in fields})
 
     def TokenCounts(self, input_batch: NestedMap) -> tuple[Any, Any]:
         """Source and target positions of the batch, and those that are not padding."""
