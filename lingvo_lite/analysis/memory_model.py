@@ -14,7 +14,9 @@ whose device walks the actions of all of them in its own order):
   alive to force a copy. A device that finishes one cell's backwards before it starts the
   next's never holds both cells' new gradients;
 * optimizer slots: `optimizer_slots(optimizer params)` weight-sized slots per trainable weight
-  (SGD with momentum 1, Adam 2 (and a step count), RMSProp 2, plain SGD 0);
+  (SGD with momentum 1, Adam 2 (and a step count), RMSProp 2, plain SGD 0); with the slots
+  sharded over R replicas (ZeRO-1, `slot_shards=R`) 1/R of them (the padding of each weight
+  to a multiple of R elements, at most R - 1 elements, is not counted);
 * inputs: cell 0's device holds the whole received mini-batch for the step (and its
   micro-batch slices);
 * activations at the worst moment of the device's own order: for every (cell, micro-batch)
@@ -243,7 +245,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
                   input_bytes: int, sched: schedule_lib.Schedule, remat: str,
                   num_slots: int = 1,
                   timeline: simulator.SimulatedStep | None = None,
-                  batched_weight_grads: bool = False) -> list[DeviceMemory]:
+                  batched_weight_grads: bool = False,
+                  slot_shards: int = 1) -> list[DeviceMemory]:
     """Each device's predicted peak (one `DeviceMemory` per device of the schedule, not
     summed).
 
@@ -262,6 +265,8 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
         each of its actions; without a timeline, nothing arrives early.
       batched_weight_grads: `weight_gradients='batched'`: each backward's deferred weight
         gradients wait for the cell's one W after its last backward.
+      slot_shards: the replicas the optimizer slots are sharded over (ZeRO-1,
+        `train.shard_optimizer_state`): each device keeps 1/slot_shards of them.
     """
     if len(layers) != part.num_layers:
         raise ValueError(f"device_memory got {len(layers)} layers for a partition of "
@@ -349,7 +354,7 @@ def device_memory(part: partition_lib.Partition, layers: Sequence[LayerMemory],
             peak_in_flight = max(peak_in_flight, in_flight)
         out.append(DeviceMemory(
             device=d, cells=tuple(cells), weights=sum(m.param_bytes for m in held),
-            gradients=peak[5], optimizer_slots=num_slots * trainable,
+            gradients=peak[5], optimizer_slots=-(-num_slots * trainable // slot_shards),
             inputs=int(input_bytes) if 0 in cells else 0,
             kept_activations=int(round(peak[0])), working_activations=int(round(peak[1])),
             peak_in_flight=peak_in_flight, peak_action=peak[2],

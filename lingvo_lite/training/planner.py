@@ -173,9 +173,11 @@ def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
 def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
                    input_bytes: int, sched: schedule_lib.Schedule, remat: str, num_slots: int,
                    num_replicas: int, step: simulator.SimulatedStep,
-                   batched_weight_grads: bool) -> list[memory_model.DeviceMemory]:
+                   batched_weight_grads: bool, shard_slots: bool = False
+                   ) -> list[memory_model.DeviceMemory]:
     mem = memory_model.device_memory(part, layers, input_bytes, sched, remat, num_slots,
-                                     timeline=step, batched_weight_grads=batched_weight_grads)
+                                     timeline=step, batched_weight_grads=batched_weight_grads,
+                                     slot_shards=num_replicas if shard_slots else 1)
     if num_replicas > 1:  # The all-reduced gradient beside the local one.
         ranges = part.cell_layer_ranges
         mem = [dataclasses.replace(m, gradients=m.gradients + sum(
@@ -187,11 +189,13 @@ def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMem
 def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
                    num_micro_batches: int, schedule: str, remat: str,
                    num_slots: int = 1,
-                   virtual_stages: int | None = None) -> list[memory_model.DeviceMemory]:
+                   virtual_stages: int | None = None,
+                   shard_optimizer_state: bool = False) -> list[memory_model.DeviceMemory]:
     """The memory model of one configuration of PipeliningLayer params `p` (per device of a
     replica; every replica's devices hold the same). `num_cells` counts cells; the schedule
     places them (a schedule that takes virtual stages, the interleaved one, puts
-    `virtual_stages`, default `p.virtual_stages`, on each device)."""
+    `virtual_stages`, default `p.virtual_stages`, on each device). `shard_optimizer_state`:
+    the slots are sharded over the replicas (ZeRO-1), 1/num_replicas of them per device."""
     batch = global_batch_size(p)
     q = p.Copy()
     q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
@@ -209,7 +213,7 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
     return _device_memory(part, layers, base_layer.activation_bytes(q.input_shapes), sched,
                           remat, num_slots, num_replicas,
                           simulator.simulate(sched, costs, remat=remat),
-                          p.weight_gradients == "batched")
+                          p.weight_gradients == "batched", shard_optimizer_state)
 
 
 def global_batch_size(p: hyperparams.Params) -> int:
@@ -254,7 +258,7 @@ def _candidates(scheds: Sequence[tuple[schedule_lib.Schedule, int]],
                 part: partition.Partition, layers: list[memory_model.LayerMemory],
                 input_bytes: int, r: int, batch: int, costs: simulator.PhaseCosts,
                 link_bytes_per_s: float, remats: Sequence[str], num_slots: int,
-                batched_weight_grads: bool) -> list[Plan]:
+                batched_weight_grads: bool, shard_slots: bool = False) -> list[Plan]:
     """The plans of every schedule in `scheds` and remat policy for one (K, R, T)."""
     plans = []
     seen_orders = set()
@@ -278,7 +282,7 @@ def _candidates(scheds: Sequence[tuple[schedule_lib.Schedule, int]],
             seen_remat.add(recomputed)
             step = simulator.simulate(sched, costs, remat=remat)
             mem = _device_memory(part, layers, input_bytes, sched, remat, num_slots, r, step,
-                                 batched_weight_grads)
+                                 batched_weight_grads, shard_slots)
             plans.append(Plan(r, remat, batch, step, all_reduce, tuple(mem), v))
     return plans
 
@@ -287,7 +291,8 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
            device_flops: float = DEFAULT_DEVICE_FLOPS, num_slots: int = 1,
            schedules: Sequence[str] | None = None,
            remats: Sequence[str] = remat_lib.REMAT_MODES,
-           link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S) -> PlanSearch:
+           link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+           shard_optimizer_state: bool = False) -> PlanSearch:
     """Every (K, R, T, schedule, remat) for `p` on `num_devices`, predicted and ranked.
 
     K counts cells; each schedule places them on its devices (`_schedules_to_try`): the
@@ -302,6 +307,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
       schedules: schedule names to try (default: PLANNED_SCHEDULES).
       remats: re-materialisation policies to try.
       link_bytes_per_s: bandwidth of a boundary crossing and of the all-reduce.
+      shard_optimizer_state: the slots are sharded over the R replicas (ZeRO-1).
     """
     schedules = list(schedules or PLANNED_SCHEDULES)
     batch = global_batch_size(p)
@@ -336,7 +342,8 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                 costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
                 for plan in _candidates(scheds, part, layers, input_bytes, r, batch, costs,
                                         link_bytes_per_s, remats, num_slots,
-                                        p.weight_gradients == "batched"):
+                                        p.weight_gradients == "batched",
+                                        shard_optimizer_state):
                     (fitting if plan.peak_bytes <= budget else too_big).append(plan)
 
     def rank(plans: list[Plan]) -> tuple[Plan, ...]:
@@ -462,10 +469,14 @@ def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, bud
     if not pipelines:
         raise UsageError(f"--mode=plan: model {model} has no PipeliningLayer to plan.")
     path, p = pipelines[0]
-    optimizer = task_params.train.optimizer if "train" in task_params else None
+    train = task_params.train if "train" in task_params else None
+    optimizer = train.optimizer if train is not None else None
+    sharded = bool(train is not None and "shard_optimizer_state" in train
+                   and train.shard_optimizer_state)
     try:
         result = search(p, num_devices, budget, device_flops or DEFAULT_DEVICE_FLOPS,
-                        memory_model.optimizer_slots(optimizer))
+                        memory_model.optimizer_slots(optimizer),
+                        shard_optimizer_state=sharded)
     except ValueError as e:
         raise UsageError(f"--mode=plan: {e}") from None
     text = format_report(result, model, path, base_override, top)

@@ -1,0 +1,184 @@
+"""ZeRO-1 (`--shard_optimizer_state`): optimizer-slot bytes and peak memory per device, sharded
+vs not, measured and predicted.
+
+One gRPC worker process per device (`device_memory.Cluster`: each has its own BFC allocator, so
+devices are told apart). For each configuration (R replicas x K cells of a dense stack, Adam)
+and each of unsharded / sharded, per device:
+
+* slot bytes: the bytes of the optimizer slot variables placed on the device (their shapes);
+* resident: the device's allocator bytes in use after the training steps, minus before the
+  pipeline was built (weights, slots, collective tokens);
+* peak: the median over `device_memory.MEASURED_STEPS` steps of the device's peak in a step
+  above that same baseline (forward, backward, all-reduce, update, all-gather);
+* predicted slot bytes: `planner.predict_memory(..., shard_optimizer_state=...)`.
+
+    python bench/zero1.py            # writes bench/separate/zero1.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+CONFIGS = ((2, 2), (4, 1))  # (R, K): 4 devices each.
+LAYERS, WIDTH, BATCH = 4, 512, 16
+MIB = 1 << 20
+
+
+def measure(cluster, num_replicas: int, num_cells: int, sharded: bool) -> dict:
+    """Per-device slot bytes, resident and peak bytes of a few training steps."""
+    import gc
+
+    import bench_lib
+    import device_memory
+    import tensorflow as tf
+
+    from lingvo_lite import fprop_context, optimizers, sharded_optimizer
+
+    layers, shapes, make_batch = bench_lib.mlp(LAYERS, BATCH, WIDTH)
+    gc.collect()
+    time.sleep(0.2)
+    before = [m["current"] for m in cluster.memory_info()]
+    num_devices = num_replicas * num_cells
+    pipe = bench_lib.make_pipeline(layers, shapes, num_cells, 1, "never",
+                                   placement=cluster.devices(num_devices),
+                                   num_replicas=num_replicas)
+    thetas = pipe.replica_thetas(pipe.theta)
+    variables = [[v for v in th.Flatten() if isinstance(v, tf.Variable) and v.trainable]
+                 for th in thetas]
+    opt = optimizers.Adam.Params().Instantiate()
+    if sharded:
+        zero = sharded_optimizer.ShardedOptimizer(opt, variables)
+        slots = zero.slot_variables()
+    else:
+        opt.create_slots([v for row in variables for v in row])
+        slots = list(opt.slot_variables().values())
+
+    def step(batch):
+        with fprop_context.fprop_context(training=True):
+            out, grads = pipe.FPropAndReplicaGrads(thetas, batch)
+        pairs = [[(x, v) for v, x in zip(theta.Flatten(), g.Flatten())
+                  if isinstance(v, tf.Variable) and v.trainable]
+                 for theta, g in zip(thetas, grads)]
+        if sharded:
+            zero.apply(pairs, tf.constant(1e-3))
+        else:
+            opt.apply([gv for ps in pairs for gv in ps], tf.constant(1e-3))
+        return out.loss
+
+    def weight_sums():  # Waits for every update (as device_memory._measure).
+        sums = []
+        for row in variables:
+            for v in row:
+                with tf.device(v.device):
+                    sums.append(tf.reduce_sum(v))
+        return tf.add_n(sums)
+
+    fn, sync = tf.function(step, autograph=False), tf.function(weight_sums, autograph=False)
+    batch = make_batch()
+    float(fn(batch))
+    float(sync())
+    per_step = []
+    for _ in range(device_memory.MEASURED_STEPS):
+        cluster.reset_peaks()
+        float(fn(batch))
+        float(sync())
+        per_step.append([m["peak"] - b for m, b in zip(cluster.memory_info(), before)])
+    resident = [m["current"] - b for m, b in zip(cluster.memory_info(), before)]
+    devices = cluster.devices(num_devices)
+    slot_bytes = [0] * num_devices
+    for v in slots:
+        index = tf.DeviceSpec.from_string(v.device).task
+        slot_bytes[index] += v.shape.num_elements() * v.dtype.size
+    return {"slot_bytes": slot_bytes, "resident": resident[:num_devices],
+            "peak": [int(statistics.median(d)) for d in zip(*per_step)][:num_devices],
+            "devices": devices}
+
+
+def predicted_slot_bytes(num_replicas: int, num_cells: int, sharded: bool) -> list[int]:
+    import bench_lib
+
+    from lingvo_lite import optimizers
+    from lingvo_lite.analysis import memory_model
+    from lingvo_lite.pipeline import pipelining_layer
+    from lingvo_lite.training import planner
+
+    layers, shapes, _ = bench_lib.mlp(LAYERS, BATCH, WIDTH)
+    p = pipelining_layer.PipeliningLayer.Params().Set(
+        name="pipe", layers=layers, num_cells=num_cells, num_micro_batches=1, remat="never",
+        input_shapes=shapes, num_replicas=num_replicas)
+    mem = planner.predict_memory(p, num_cells, num_replicas, 1, "gpipe", "never",
+                                 memory_model.optimizer_slots(optimizers.Adam.Params()),
+                                 shard_optimizer_state=sharded)
+    return [m.optimizer_slots for m in mem]
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(HERE, "separate", "zero1.md"))
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import device_memory
+
+    rows, summary = [], []
+    with device_memory.Cluster(4) as cluster:
+        for r, k in CONFIGS:
+            got = {s: measure(cluster, r, k, s) for s in (False, True)}
+            want = {s: predicted_slot_bytes(r, k, s) for s in (False, True)}
+            for d in range(r * k):
+                cell = d % k
+                plain, zero = got[False], got[True]
+                rows.append(
+                    f"| R={r}, K={k} | {d} (replica {d // k}, cell {cell}) | "
+                    f"{_mib(plain['slot_bytes'][d])} | {_mib(zero['slot_bytes'][d])} | "
+                    f"{zero['slot_bytes'][d] / plain['slot_bytes'][d]:.3f} | "
+                    f"{_mib(want[False][cell])} / {_mib(want[True][cell])} | "
+                    f"{_mib(plain['resident'][d])} / {_mib(zero['resident'][d])} | "
+                    f"{_mib(plain['peak'][d])} / {_mib(zero['peak'][d])} |")
+            ratio = sum(got[True]["slot_bytes"]) / sum(got[False]["slot_bytes"])
+            saved = (sum(got[False]["resident"]) - sum(got[True]["resident"])) / (r * k)
+            summary.append(f"R={r}, K={k}: slot bytes per device sharded / unsharded = "
+                           f"{ratio:.3f} (1/R = {1 / r:.3f}); resident bytes per device "
+                           f"{saved / MIB:.2f} MiB lower on average; peak per device "
+                           f"{statistics.mean(got[False]['peak']) / MIB:.2f} -> "
+                           f"{statistics.mean(got[True]['peak']) / MIB:.2f} MiB (mean).")
+    body = [
+        f"A stack of {LAYERS} dense {WIDTH}x{WIDTH} tanh layers and a softmax (batch {BATCH}, "
+        "T=1, remat never), Adam (2 weight-sized slots and a step count per weight), one gRPC "
+        "worker process per device (its own BFC allocator), unsharded vs "
+        "`--shard_optimizer_state`. Slot bytes: the slot variables on the device. Resident: "
+        "allocator bytes in use after the steps, above the worker's bytes before the pipeline "
+        f"was built. Peak: median over {device_memory.MEASURED_STEPS} steps of the step's "
+        "peak above the same baseline. "
+        "Predicted: planner.predict_memory's optimizer_slots (unsharded / sharded).",
+        "",
+        "| mesh | device | slot MiB unsharded | slot MiB sharded | ratio | predicted slot MiB "
+        "| resident MiB (unsharded / sharded) | peak MiB (unsharded / sharded) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows, "", *summary]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = tuple(round(x, 2) for x in os.getloadavg())
+    text = ["## ZeRO-1: optimizer-slot memory per device, sharded vs not (issue 37)", "",
+            f"Recorded {now:%Y-%m-%d %H:%M} UTC by its own script on {os.cpu_count()} cores "
+            f"(Python {platform.python_version()}); load average at the end {load}.", "",
+            *body, "", "Reproduce: `python bench/zero1.py`"]
+    with open(args.out, "w") as f:
+        f.write("\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
