@@ -12,11 +12,12 @@ reproduces all five of its parameter counts, so that is what these configuration
 from __future__ import annotations
 
 from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
-from tasks.mt import input_generator, model
+from tasks.mt import input_generator, layers, model
 
 __all__ = [
     "TransformerSmall",
     "TransformerSmallBuckets",
+    "TransformerSmallPacked",
     "TransformerT12_16384_32",
     "TransformerT24_8192_16",
     "TransformerT32_16384_32",
@@ -90,6 +91,26 @@ class TransformerSmallBuckets(TransformerSmall):
         shapes = input_generator.bucket_shapes(self.BUCKET_LENGTHS, self.BUCKET_BATCH_SIZES)
         # Memory is planned for the longest bucket; each bucket is traced once.
         p.network.Set(input_buckets=shapes, input_shapes=shapes[-1])
+        return p
+
+
+@model_registry.register
+class TransformerSmallPacked(TransformerSmall):
+    """TransformerSmall on packed rows: consecutive pairs share a row of 16 / 18 positions while
+    they fit (segment ids keep them apart), 32 rows per batch."""
+
+    BATCH_SIZE = 32
+
+    def split_input(self, split: str) -> hyperparams.Params:
+        p = super().split_input(split)
+        if split == "train":
+            p.Set(pack=True)
+        return p
+
+    def Task(self) -> hyperparams.InstantiableParams:
+        p = super().Task()
+        p.network.input_shapes = layers.input_shapes(
+            self.BATCH_SIZE, self.MAX_SOURCE_LENGTH, self.MAX_TARGET_LENGTH, packed=True)
         return p
 
 
