@@ -22,9 +22,10 @@ from conftest import launch_trainer, stop_processes
 from pipeline_test import BATCH, IN_DIM, _loss, _proj, input_shapes, make_batch
 
 from lingvo_lite import fprop_context, optimizers, pipelined_task, sharded_optimizer
+from lingvo_lite.analysis import memory_model
 from lingvo_lite.layers import composite
 from lingvo_lite.pipeline import collectives, pipelining_layer, process_group
-from lingvo_lite.training import options, runner
+from lingvo_lite.training import options, planner, runner
 
 LEARNING_RATE = 0.05
 MOMENTUM = optimizers.SGD.Params().Set(momentum=0.9)
@@ -90,6 +91,16 @@ class ShardedTrainingTest(tf.test.TestCase, parameterized.TestCase):
                         if v.shape.rank) / (num_replicas * num_cells)
         sharded = sum(n for got in sizes.values() for n in got if n > 1) / len(sizes)
         self.assertBetween(sharded / unsharded, 1 / num_replicas, 1.1 / num_replicas)
+        # The memory model: 1/R of the weight-sized slots of each cell, padding not counted.
+        predicted = planner.predict_memory(
+            task.network.params, num_cells, num_replicas, 1, "gpipe", "never",
+            memory_model.optimizer_slots(opt), shard_optimizer_state=True)
+        for k, device in enumerate(task.network.mesh[0]):
+            measured = 4 * sum(n for n in sizes[tf.DeviceSpec.from_string(device).device_index]
+                               if n > 1)
+            padding = 4 * (num_replicas - 1) * len(rules._slot_names()) * len(
+                task.network.cell_variables(k))
+            self.assertBetween(measured - predicted[k].optimizer_slots, 0, padding)
 
     def test_momentum_equals_plain_tensorflow_and_numpy(self):
         task, step = make_task(2, 2, MOMENTUM, sharded=True)
@@ -123,7 +134,7 @@ class ShardedTrainingTest(tf.test.TestCase, parameterized.TestCase):
         plain_path = tf.train.Checkpoint(model=plain.checkpoint_variables()).save(
             os.path.join(root, "plain"))  # The unsharded layout: the same keys and shapes.
         self.assertEqual(tf.train.list_variables(plain_path), tf.train.list_variables(path))
-        for replicas, cells, sharded in ((1, 1, False), (4, 2, True)):
+        for replicas, cells, sharded in ((1, 1, False), (4, 1, True)):
             task, step = make_task(replicas, cells, ADAM, sharded)
             tf.train.Checkpoint(model=task.checkpoint_variables()).restore(
                 path).assert_existing_objects_matched()
