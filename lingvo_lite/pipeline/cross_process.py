@@ -5,14 +5,14 @@ Within one process the replicas of a pipeline already pool their batch-norm stat
 metrics) as weighted means. With several processes (`process_group`) each process holds
 only its share, so after the local pooling:
 
-- `pool_moments_globally` replaces each layer's reported moments by the exact moments of the
-  global batch (count-weighted mean, then the law of total variance, as
-  `normalization.pool_moments` does locally), so the moving statistics are the same as a
-  single process would compute from the whole batch;
+- `pool_moments_globally` replaces each layer's reported moments by the moments of the global
+  batch, pooled from every micro-batch of every process exactly as one process holding all
+  the replicas pools them (`normalization.pool_moments`), so the moving statistics are the
+  same, bit for bit;
 - `global_scalars` turns the local weighted means into the global ones.
 
 Both run through one small all-reduce group (`side`, one member per process, on the last
-cell's device of the first local replica), two collectives per step at most.
+cell's device of the first local replica), one collective each per step.
 
 Example (one process stands in for the group; `side` sums over a group of 1):
 
@@ -57,38 +57,46 @@ def _get(stats: NestedMap, path: str) -> Any:
 
 def pool_moments_globally(side: collectives.AllReduce,
                           collector: fprop_context.UpdateCollector,
-                          layer_ids: set[int]) -> None:
+                          layer_ids: set[int], num_processes: int, index: int) -> None:
     """Replaces the reports of the layers in `layer_ids` by one report of global moments.
 
-    Each report's moment records are pooled over this process's reports, then over the
-    processes; other leaves (e.g. a Keras layer's `draws`) are kept from the first report.
+    Every process's moment records travel to every process (each process fills its own row
+    of a zero buffer, and a sum adds only zeros to it: exact), then `pool_moments` pools all
+    of them in the order one process with every replica would: the same numbers, bit for
+    bit. Other leaves of a report (e.g. a Keras layer's `draws`) are kept from the first.
     """
     entries = [(layer, stats) for layer, stats in collector.items()
                if id(layer) in layer_ids and stats]
-    records = []  # (entry index, path, local count, local mean, local variance)
-    for e, (_, stats) in enumerate(entries):
-        for path in _moment_paths(stats[0]):
-            parts = [_get(s, path) for s in stats]
-            mean, variance = pool_moments(parts)
-            count = tf.add_n([tf.cast(p.count, tf.float32) for p in parts])
-            records.append((e, path, count, mean, variance))
+    records = [(e, path) for e, (_, stats) in enumerate(entries)
+               for path in _moment_paths(stats[0])]
     if not records:
         return
+    rows = []  # Per record: [local reports, 1 + 2 * size] (count, mean, variance).
+    for e, path in records:
+        parts = [_get(s, path) for s in entries[e][1]]
+        rows.append(tf.stack([tf.concat([tf.reshape(tf.cast(p.count, tf.float32), [1]),
+                                         tf.reshape(tf.cast(p.mean, tf.float32), [-1]),
+                                         tf.reshape(tf.cast(p.variance, tf.float32), [-1])], 0)
+                              for p in parts]))
     (device,) = side.devices
     with tf.device(device):
-        sums = side([[c for _, _, c, _, _ in records] + [c * m for _, _, c, m, _ in records]])[0]
-        n = len(records)
-        counts = [tf.maximum(c, 1e-8) for c in sums[:n]]
-        means = [s / c for s, c in zip(sums[n:], counts)]
-        spread = side([[c * (v + tf.square(m - gm))
-                        for (_, _, c, m, v), gm in zip(records, means)]])[0]
-        variances = [s / c for s, c in zip(spread, counts)]
+        mine = [tf.pad(r[None], [[index, num_processes - 1 - index], [0, 0], [0, 0]])
+                for r in rows]
+        everyone = side([mine])[0]
     pooled: dict[int, NestedMap] = {}
-    for (e, path, _, _, _), count, mean, variance in zip(records, sums[:n], means, variances):
-        report = pooled.setdefault(e, entries[e][1][0].DeepCopy())
+    for (e, path), table in zip(records, everyone):
+        like = _get(entries[e][1][0], path)
+        size = like.mean.shape.num_elements()
+        with tf.device(device):
+            flat = tf.reshape(table, [-1, 1 + 2 * size])
+            mean, variance = pool_moments([NestedMap(
+                count=flat[i, 0], mean=tf.reshape(flat[i, 1:1 + size], like.mean.shape),
+                variance=tf.reshape(flat[i, 1 + size:], like.variance.shape))
+                for i in range(flat.shape[0])])
+            count = tf.reduce_sum(flat[:, 0])
         record = NestedMap(count=count, mean=mean, variance=variance)
         if path:
-            report.Set(path, record)
+            pooled.setdefault(e, entries[e][1][0].DeepCopy()).Set(path, record)
         else:
             pooled[e] = record
     for e, report in pooled.items():

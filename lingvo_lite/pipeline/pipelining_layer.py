@@ -147,6 +147,11 @@ class PipeliningLayer(base_layer.BaseLayer):
                  "one of them (refused otherwise, naming them); each cell's functions are "
                  "traced once per bucket. The partition is chosen for input_shapes, or the "
                  "largest bucket when input_shapes is None. None: one shape per run.")
+        p.Define("input_bucket_weights", None,
+                 "How often each of input_buckets occurs (any positive numbers), for planning "
+                 "only: --mode=plan and inspect_model weigh each bucket's step time by it. "
+                 "None: the training input's bucket_distribution() when it has one, else "
+                 "equal.")
         p.Define(
             "num_replicas", 1,
             "R: data-parallel replicas of the whole pipeline (R x K devices). The mini-batch "
@@ -714,7 +719,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                                                   tf.add_n(weights))
             cross_process.pool_moments_globally(
                 self._side_all_reduce, collector,
-                {id(layer) for layer, _ in collector.items()} - reported_before)
+                {id(layer) for layer, _ in collector.items()} - reported_before,
+                self._processes.num_processes, self._processes.index)
         return merged, grads
 
     def _strategy_replica_step(self, theta: NestedMap, inputs: Any,

@@ -1,0 +1,102 @@
+"""Multi-client trainer.py (issue 37, item 1): N tasks on 127.0.0.1, each its own client.
+
+N in {2, 3} tasks, K in {1, 2} cells, one replica per task (R = N), T = 2, on a model with
+seeded input noise, batch norm and dropout (tests/multi_client_models.py):
+- the chief's final weights equal one process trained on the same global batches: R=1, K=1,
+  T = R x 2 (the same micro-batches; an independent computation: no collective, no shard) at
+  rtol 1e-5, and bit for bit one process with the same R x K mesh (--deterministic: the same
+  collective ring sums in the same order);
+- each task preprocessed only its shard: the ids its input logged all sit in its part of
+  their global batch (positions from the unsharded input, computed here), and cover it;
+- only the chief wrote the run's files; every task saved its input position.
+Processes are stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import tensorflow as tf
+from multi_client_helpers import Task, run_to_end, start_cluster, weights
+from multi_client_models import BATCH_SIZE, READ_LOG_ENV, LoggedNoisyInput
+
+STEPS = 6
+T = 2
+
+
+@pytest.mark.slow
+class MultiClientTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.root = tempfile.mkdtemp(prefix="multi_client_")
+        self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
+
+    def _dir(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def test_n_tasks_train_the_weights_of_one_process_each_on_its_shard(self):
+        common = [f"--max_steps={STEPS}", f"--num_micro_batches={T}", "--deterministic",
+                  "--model_params_override=train.save_interval_steps : 3"]
+        cases = {"n2_k2": (2, 2), "n3_k1": (3, 1)}
+        os.makedirs(self._dir("reads"))
+        clusters = {name: start_cluster(self._dir(name), n, common + [
+            f"--num_replicas={n}", f"--num_cells={k}", "--cluster_mode=multi_client"],
+            env={READ_LOG_ENV: self._dir("reads")} if name == "n3_k1" else None)
+            for name, (n, k) in cases.items()}
+        singles = {
+            # One device, the same micro-batches: R x T of them.
+            "n2_k2": Task(self._dir("single_n2"), common + [
+                "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={2 * T}"], None),
+            "n3_k1": Task(self._dir("single_n3"), common + [
+                "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={3 * T}"], None),
+            # One process, the same mesh of R x K devices.
+            "mesh": Task(self._dir("single_mesh"), common + [
+                "--num_replicas=2", "--num_cells=2"], None),
+        }
+        for tasks in clusters.values():
+            run_to_end(tasks)
+        run_to_end(list(singles.values()))
+
+        for name, (n, _) in cases.items():
+            want, got = weights(self._dir(f"single_n{n}")), weights(self._dir(name))
+            self.assertCountEqual(want, got)
+            for key in want:
+                self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-6, msg=key)
+            # The chief alone wrote the run's files; each task its input position.
+            self.assertEqual(["checkpoints", "input_positions", "model_analysis.txt",
+                              "params.txt", "train"], sorted(os.listdir(self._dir(name))))
+            self.assertEqual([f"task_{i}" for i in range(n)], sorted(os.listdir(
+                os.path.join(self._dir(name), "input_positions", f"{n}_tasks"))))
+        want, got = weights(self._dir("single_mesh")), weights(self._dir("n2_k2"))
+        for key in want:
+            self.assertAllEqual(want[key], got[key], msg=key)
+        self._assert_each_task_read_its_shard(clusters["n3_k1"])
+
+    def _assert_each_task_read_its_shard(self, tasks: list[Task]) -> None:
+        n = len(tasks)
+        shard = BATCH_SIZE // n
+        # Where each example sits in the unsharded stream (1024 examples: one epoch covers
+        # the steps trained and what the tasks' input pipelines read ahead).
+        params = LoggedNoisyInput.Params().Set(name="train", split="train", num_examples=1024,
+                                               batch_size=BATCH_SIZE)
+        position = {}
+        for b, batch in zip(range(1024 // BATCH_SIZE), params.Instantiate().dataset()):
+            for slot, example_id in enumerate(batch.id.numpy()):
+                position[int(example_id)] = (b, slot)
+        for i, task in enumerate(tasks):
+            with open(os.path.join(self._dir("reads"), f"{task.proc.pid}.txt")) as f:
+                ids = [int(line) for line in f]
+            self.assertLen(set(ids), len(ids), "an example was preprocessed twice")
+            parts = {position[x][1] // shard for x in ids}
+            self.assertEqual({i}, parts, f"task {i} preprocessed another task's examples")
+            mine = {(b, s) for b in range(STEPS) for s in range(i * shard, (i + 1) * shard)}
+            self.assertLessEqual(mine, {position[x] for x in ids})
+            self.assertIn(f"Task {i} read {STEPS * shard} examples", task.output)
+
+
+if __name__ == "__main__":
+    tf.test.main()
