@@ -66,8 +66,9 @@ def normalize(input_buckets: Any, input_names: Sequence[str]) -> list[dict[str, 
 
 def largest(buckets: Sequence[dict[str, tuple]]) -> dict[str, tuple]:
     """The bucket with the most input elements: what the layers are built and planned for."""
-    def size(bucket: dict[str, tuple]) -> int:
-        return sum(int(tf.TensorShape(s).num_elements()) for s in bucket.values())
+    def size(bucket: dict[str, tuple]) -> tuple[int, int]:  # Ties: the longest examples.
+        return (sum(int(tf.TensorShape(s).num_elements()) for s in bucket.values()),
+                sum(int(tf.TensorShape(s[1:]).num_elements()) for s in bucket.values()))
     return max(buckets, key=size)
 
 

@@ -64,8 +64,13 @@ def _leaves(shapes: Any) -> list[tf.TensorShape]:
 
 def largest(buckets: Sequence[Any]) -> Any:
     """The bucket with the most elements (summed over its tensors): what memory is planned for.
-    """
-    return max(buckets, key=lambda b: sum(s.num_elements() for s in _leaves(b)))
+    Of buckets with as many elements (a tokens-per-batch budget), the one with the longest
+    examples: what grows faster than linearly in length (attention) is largest there."""
+    def size(b: Any) -> tuple[int, int]:
+        leaves = _leaves(b)
+        return (sum(s.num_elements() for s in leaves),
+                sum(s.num_elements() // max(s[0], 1) for s in leaves if s.rank))
+    return max(buckets, key=size)
 
 
 def shapes_of(inputs: Any) -> Any:

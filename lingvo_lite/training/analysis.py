@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import simulator
-from lingvo_lite.pipeline import partition, pipelining_layer, step_layout
+from lingvo_lite.pipeline import buckets, partition, pipelining_layer, step_layout
 from lingvo_lite.training import model_config
 
 __all__: list[str] = []
@@ -59,8 +59,12 @@ def _layer_name(lp: hyperparams.Params, i: int) -> str:
 
 
 def describe_pipeline(path: str, p: hyperparams.Params,
-                      extra_num_cells: Sequence[int] = ()) -> tuple[str, dict[str, int]]:
-    """Per-layer table and partition report(s) of one PipeliningLayer params.
+                      extra_num_cells: Sequence[int] = (),
+                      input_params: hyperparams.Params | None = None
+                      ) -> tuple[str, dict[str, int]]:
+    """Per-layer table and partition report(s) of one PipeliningLayer params; with
+    input_buckets, each bucket's predicted step and their mix, weighted by
+    `input_bucket_weights` or else `input_params`' bucket distribution (bucket_plan.py).
 
     Returns:
       (text, counts): counts of weight elements (all zero when the costs cannot be
@@ -126,6 +130,18 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines += ["Predicted step (schedule simulator; time = forward FLOPs, backward = "
                       f"{simulator.BACKWARD_RATIO:g} x forward, transfers free):",
                       "  " + prediction.summary()]
+    if p.input_buckets and metas is not None:
+        from lingvo_lite.training import bucket_plan
+
+        weights, source = bucket_plan.bucket_weights(p, input_params)
+        try:
+            steps = bucket_plan.bucket_steps(p, weights)
+        except ValueError as e:
+            lines += ["", f"(no bucket mix: {e})"]
+        else:
+            lines += ["", *bucket_plan.mix_lines(steps, f"{source}; K={p.num_cells}, "
+                                                 f"{p.schedule}, remat={p.remat}",
+                                                 planned=buckets.planning_shapes(p))]
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
     return "\n".join(lines), counts
@@ -189,13 +205,15 @@ def _describe_mesh(p: hyperparams.Params) -> str:
 
 
 def describe_model(name: str, task_params: hyperparams.Params,
-                   extra_num_cells: Sequence[int] = ()) -> str:
+                   extra_num_cells: Sequence[int] = (), read_input: bool = False) -> str:
     """The inspect_model text: every PipeliningLayer's layers, costs and partitions.
 
     Args:
       name: the model name, for the heading.
       task_params: the (overridden) task params; nothing is instantiated.
       extra_num_cells: further K values to report partitions for (--inspect_num_cells).
+      read_input: weigh length buckets by the training input's bucket distribution (reads
+        its data) when the pipeline does not set input_bucket_weights.
     """
     pipelines = list(model_config.iter_pipelining_params(task_params))
     lines = [f"Model {name} (task {task_params.cls.__name__}): "
@@ -205,7 +223,9 @@ def describe_model(name: str, task_params: hyperparams.Params,
         return "\n".join(lines) + "\n"
     total = {"num_params": 0, "non_trainable_params": 0, "training_only_params": 0}
     for path, p in pipelines:
-        text, counts = describe_pipeline(path, p, extra_num_cells)
+        text, counts = describe_pipeline(
+            path, p, extra_num_cells,
+            task_params.input if read_input and "input" in task_params else None)
         lines += ["", text]
         for key in total:
             total[key] += counts[key]

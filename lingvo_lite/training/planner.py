@@ -37,6 +37,7 @@ Plans are ranked by predicted examples/s (mini-batch / step time).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ import tensorflow as tf
 from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import memory_model, simulator
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import partition, pipelining_layer, step_layout
+from lingvo_lite.pipeline import buckets, partition, pipelining_layer, step_layout
 from lingvo_lite.pipeline import remat as remat_lib
 from lingvo_lite.pipeline import schedule as schedule_lib
 from lingvo_lite.training.options import UsageError
@@ -157,6 +158,12 @@ def _with_batch(shapes: Any, batch_dim: int, batch: int) -> Any:
     if len(dims) > batch_dim:
         dims[batch_dim] = batch
     return tf.TensorShape(dims)
+
+
+def _first_batch(shapes: Any, batch_dim: int) -> int:
+    """The batch size of a mini-batch shape (its first leaf's `batch_dim`)."""
+    shapes = base_layer.to_shape(shapes)
+    return (shapes.Flatten() if isinstance(shapes, NestedMap) else [shapes])[0][batch_dim]
 
 
 def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
@@ -311,9 +318,11 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
     """
     schedules = list(schedules or PLANNED_SCHEDULES)
     batch = global_batch_size(p)
+    # With input_buckets, R and T must split every bucket's batch (one T for all of them).
+    split = math.gcd(batch, *(int(_first_batch(b, p.batch_dim)) for b in p.input_buckets or []))
     param_size = tf.as_dtype(p.dtype).size
     fitting, too_big = [], []
-    for r in _divisors(batch):
+    for r in _divisors(split):
         if r > num_devices:
             break
         q = p.Copy()
@@ -333,7 +342,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                 continue
             cell_flops = [sum(flops[a:b]) for a, b in part.cell_layer_ranges]
             boundary = [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]]
-            for t in _divisors(batch // r):
+            for t in _divisors(split // r):
                 if t > MAX_MICRO_BATCHES:
                     break
                 scheds = _schedules_to_try(schedules, k, t, r, num_devices)
@@ -469,6 +478,8 @@ def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, bud
     if not pipelines:
         raise UsageError(f"--mode=plan: model {model} has no PipeliningLayer to plan.")
     path, p = pipelines[0]
+    if p.input_buckets and p.input_shapes is None:  # Memory is planned for the largest bucket.
+        p = p.Copy().Set(input_shapes=buckets.planning_shapes(p))
     train = task_params.train if "train" in task_params else None
     optimizer = train.optimizer if train is not None else None
     sharded = bool(train is not None and "shard_optimizer_state" in train
@@ -479,7 +490,20 @@ def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, bud
                         shard_optimizer_state=sharded)
     except ValueError as e:
         raise UsageError(f"--mode=plan: {e}") from None
+    if sharded and "shard_optimizer_state" not in base_override:  # The printed command too.
+        base_override = "; ".join(x for x in (base_override.strip().rstrip(";"),
+                                              "train.shard_optimizer_state : True") if x)
     text = format_report(result, model, path, base_override, top)
+    if p.input_buckets and result.fitting:
+        from lingvo_lite.training import bucket_plan
+
+        weights, source = bucket_plan.bucket_weights(
+            p, task_params.input if "input" in task_params else None)
+        steps = bucket_plan.bucket_steps(
+            p, weights, result.fitting[0], device_flops or DEFAULT_DEVICE_FLOPS,
+            num_slots=memory_model.optimizer_slots(optimizer), shard_slots=sharded)
+        text += "\n" + "\n".join(bucket_plan.mix_lines(
+            steps, f"{source}; plan 1", budget, planned=p.input_shapes)) + "\n"
     if len(pipelines) > 1:
         text += (f"(Planned the first PipeliningLayer, '{path}', of {len(pipelines)}.)\n")
     return text

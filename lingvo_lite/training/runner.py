@@ -184,7 +184,8 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
         if model_config.uses_measured_costs(config.task_params):
             _prepare_layer_timing(options, config)
         return _printer(analysis.describe_model(
-            config.name, config.task_params, list(options.inspect_num_cells)), out)
+            config.name, config.task_params, list(options.inspect_num_cells),
+            read_input=True), out)
     if options.mode == "check_equivalence":
         return _prepare_check_equivalence(options, config, out, err)
     if options.mode == "plan":

@@ -239,6 +239,20 @@ class ParallelTextInput(base_input_generator.BaseInputGenerator):
     def num_examples(self) -> int | None:
         return getattr(self, "_num_examples", None)
 
+    def bucket_distribution(self) -> list[float]:
+        """The share of the batches in each of bucket_lengths (pairs in the bucket / its batch
+        size, over the split): how often each of the pipeline's input_buckets occurs, which
+        --mode=plan and inspect_model weigh the buckets' step times by."""
+        p = self.params
+        if not p.bucket_lengths:
+            raise ValueError(f"{p.name}: bucket_distribution needs bucket_lengths.")
+        data = self.load_split()
+        arrays = {k: v[data.fits] for k, v in data.arrays.items()}
+        bucket = _bucketed(arrays, p.bucket_lengths)["bucket"]
+        batches = [float((bucket == i).sum()) / size
+                   for i, size in enumerate(p.bucket_batch_sizes)]
+        return [b / sum(batches) for b in batches]
+
 
 def _check_buckets(lengths: Any, batch_sizes: Any, longest: int) -> None:
     def ints(values: Any) -> bool:
