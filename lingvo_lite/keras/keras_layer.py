@@ -55,7 +55,7 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
-from lingvo_lite.keras import keras_flops, keras_random
+from lingvo_lite.keras import keras_flops, keras_random, layer_config
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
 
@@ -81,8 +81,10 @@ def serialize(layer: keras.layers.Layer) -> dict:
     Example:
         >>> deserialize(serialize(keras.layers.Dense(4))).units
         4
+
+    A config the layer cannot be rebuilt from is refused in one line (layer_config.py).
     """
-    return keras.saving.serialize_keras_object(layer)
+    return layer_config.rebuildable_config(layer)
 
 
 def deserialize(config: dict) -> keras.layers.Layer:
