@@ -114,3 +114,25 @@ def test_refusals_are_one_line():
         "PipelinedModel.compile: reduction='mean_with_sample_weight' is not supported for a "
         "model with several outputs (each output divides by its own total sample weight of "
         "the whole batch); use 'sum_over_batch_size' or 'sum'.")
+
+
+def test_looked_up_embedding_sgd_exact_adam_refused():
+    # Keras hands a looked-up embedding's gradient to the optimizer as one row per token
+    # occurrence (IndexedSlices): Adam squares each row, the pipeline's gradient is their
+    # dense sum. SGD is linear, so it trains the same; other optimizers are refused.
+    x, y = padded_tokens(8), np.arange(8) % 5
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = masked_sequence_model(pooled=True)
+    pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=4)
+    start = model.get_weights()
+    for m in (model, pipelined):
+        m.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        m.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=TOL)
+    assert float(np.abs(model.get_weights()[0] - start[0]).max()) > 1e-3
+    assert refusal(lambda: pipelined.compile(optimizer="adam", loss=loss)) == (
+        "PipelinedModel.compile: optimizer Adam with the trainable Embedding 'embed' would "
+        "train differently from plain Keras (which squares each token occurrence's gradient "
+        "separately; the pipeline sums an embedding's gradient first): use SGD or freeze the "
+        "embedding (trainable=False).")
