@@ -34,7 +34,8 @@ Example (2 replicas on 2 logical CPUs, created before TensorFlow starts):
         optimizers.Adam.Params().Instantiate(), [[ws[0]], [ws[1]]])
     g = tf.constant([0.1, 0.2, 0.3])
     opt.apply([[(g, ws[0])], [(g, ws[1])]], tf.constant(0.01))  # ws[0] == ws[1] after it
-    opt.slot_shapes()  # {'/device:CPU:0': [(2,), (2,), ()], ...}: m, v of 2 = ceil(3 / 2)
+    opt.slot_shapes()  # {'/job:localhost/replica:0/task:0/device:CPU:0': [(2,), (2,), ()],
+                       #  ...}: m and v of ceil(3 / 2) = 2 elements, the step count t
 """
 
 from __future__ import annotations
