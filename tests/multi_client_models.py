@@ -77,3 +77,27 @@ class TinyMlpBnNoisy(reliability_models.TinyMlpNoisy):
             x=tf.TensorShape([BATCH_SIZE, testdata_models.INPUT_DIM]),
             labels=tf.TensorShape([BATCH_SIZE]))
         return p
+
+
+# Keras (tests/multi_client_test.py): a Sequential with dropout, fitted on fixed data.
+
+
+def keras_sequential():
+    import keras
+
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(12, activation="relu"),
+        keras.layers.Dropout(0.25, seed=7), keras.layers.Dense(12, activation="tanh"),
+        keras.layers.Dense(4)])
+
+
+def keras_fit(model) -> None:
+    import keras
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(24, 6)).astype(np.float32)
+    y = (np.arange(24) % 4).astype(np.int32)
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)

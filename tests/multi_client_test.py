@@ -9,6 +9,8 @@ seeded input noise, batch norm and dropout (tests/multi_client_models.py):
 - each task preprocessed only its shard: the ids its input logged all sit in its part of
   their global batch (positions from the unsharded input, computed here), and cover it;
 - only the chief wrote the run's files; every task saved its input position.
+Keras (item 4): `PipelinedModel.fit` in both tasks of a TF_CONFIG cluster (K=2 each, dropout,
+Adam) ends on the weights of plain `keras.Sequential.fit` in this process (rtol 1e-5).
 Processes are stopped by PID.
 """
 
@@ -16,15 +18,44 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 
+import numpy as np
 import pytest
 import tensorflow as tf
-from multi_client_helpers import Task, run_to_end, start_cluster, weights
-from multi_client_models import BATCH_SIZE, READ_LOG_ENV, LoggedNoisyInput
+from conftest import REPO, stop_processes
+from multi_client_helpers import Task, addresses, run_to_end, start_cluster, tf_config, weights
+from multi_client_models import (
+    BATCH_SIZE,
+    READ_LOG_ENV,
+    LoggedNoisyInput,
+    keras_fit,
+    keras_sequential,
+)
 
 STEPS = 6
 T = 2
+
+KERAS_TASK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from lingvo_lite.pipeline import process_group
+    process_group.from_tf_config(num_logical_cpus=2)  # Before any TensorFlow op.
+    import numpy as np
+    from lingvo_lite.keras import PipelinedModel
+    sys.path.insert(0, sys.argv[1] + "/tests")
+    import multi_client_models as m
+    from lingvo_lite.keras import multi_worker
+    part, sizes = multi_worker.local_part, []
+    multi_worker.local_part = lambda *t: sizes.append(part(*t)[0].shape[0]) or part(*t)
+    model = PipelinedModel(m.keras_sequential(), num_cells=2)
+    m.keras_fit(model)
+    print("task", process_group.current().index, "trained parts of", sorted(set(sizes)))
+    np.savez(sys.argv[2], *model.get_weights())
+""")
 
 
 @pytest.mark.slow
@@ -96,6 +127,29 @@ class MultiClientTest(tf.test.TestCase):
             mine = {(b, s) for b in range(STEPS) for s in range(i * shard, (i + 1) * shard)}
             self.assertLessEqual(mine, {position[x] for x in ids})
             self.assertIn(f"Task {i} read {STEPS * shard} examples", task.output)
+
+    def test_keras_fit_in_every_task_of_a_cluster_equals_one_process(self):
+        where = addresses(2)
+        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", KERAS_TASK, REPO, self._dir(f"keras_{i}.npz")],
+            env=dict(env, TF_CONFIG=tf_config(where, i)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for i in (1, 0)]
+        try:
+            outs = [p.communicate(timeout=300)[0] for p in procs]
+        finally:
+            stop_processes(procs)
+        for i, (p, out) in zip((1, 0), zip(procs, outs)):
+            self.assertEqual(0, p.returncode, msg=out[-3000:])
+            self.assertIn(f"task {i} trained parts of [4]", out)  # Of each batch of 8.
+        plain = keras_sequential()
+        keras_fit(plain)
+        for i in (0, 1):
+            got = np.load(self._dir(f"keras_{i}.npz"))
+            want = plain.get_weights()
+            self.assertLen(got.files, len(want))
+            for k, w in enumerate(want):
+                self.assertAllClose(w, got[f"arr_{k}"], rtol=1e-5, atol=1e-6)
 
 
 if __name__ == "__main__":

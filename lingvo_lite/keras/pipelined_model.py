@@ -71,10 +71,10 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import keras_buckets, keras_layer, keras_loss
+from lingvo_lite.keras import keras_buckets, keras_layer, keras_loss, multi_worker
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets as pipeline_buckets
-from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.pipeline import pipelining_layer, process_group
 
 __all__ = ["pipeline_params", "PipelinedModel"]
 
@@ -384,6 +384,11 @@ class PipelinedModel(keras.Model):
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         x = self._static_batch(tf.convert_to_tensor(x))
+        if process_group.current() is not None:  # A task of a cluster trains its part.
+            x, y, sample_weight = multi_worker.local_part(
+                x, self._static_batch(tf.convert_to_tensor(y)),
+                None if sample_weight is None else self._static_batch(
+                    tf.convert_to_tensor(sample_weight)))
         loss, gradients, predictions, collector = self._pipelined_step(x, y, sample_weight)
         self.optimizer.apply_gradients(zip(gradients, self.plain.trainable_variables))
         collector.apply()
@@ -417,7 +422,7 @@ class PipelinedModel(keras.Model):
         if pipe.layers[-1].loss is None:
             raise ValueError("PipelinedModel: no loss to train with; compile the model with "
                              "loss=....")
-        inputs.num_micro_batches = tf.constant(float(pipe.num_micro_batches_for(x.shape[0])))
+        inputs.num_micro_batches = tf.constant(multi_worker.num_micro_batches(pipe, x.shape[0]))
         # Mixed-precision loss scaling (LossScaleOptimizer): as Keras scales the loss before
         # its backward, the loss layer scales each micro-batch's loss, so the pipelined
         # backward runs on scaled gradients and apply_gradients unscales them.
@@ -425,10 +430,9 @@ class PipelinedModel(keras.Model):
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
             if front is None:
-                out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+                out, grads = multi_worker.pipelined_grads(pipe, inputs, False)
             else:
-                out, grads, input_grads = pipe.FPropAndGrads(pipe.theta, inputs,
-                                                             return_input_grads=True)
+                out, grads, input_grads = multi_worker.pipelined_grads(pipe, inputs, True)
         flat = grads.Flatten()
         if front is not None:
             with tf.device(pipe.devices[0]):
