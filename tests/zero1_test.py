@@ -33,14 +33,14 @@ ADAM = optimizers.Adam.Params()
 WIDTH = 10  # The softmax's 5 biases and 10 x 5 weights do not split evenly over R = 4.
 
 
-def make_task(num_replicas: int, num_cells: int, optimizer, sharded: bool):
+def make_task(num_replicas: int, num_cells: int, optimizer, sharded: bool, **train):
     p = pipelined_task.PipelinedTask.Params().Set(name="task")
     p.network = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", num_cells=num_cells, num_replicas=num_replicas, num_micro_batches=1,
         layers=[_proj("p0", IN_DIM, WIDTH), _proj("p1", WIDTH, WIDTH), _loss(WIDTH)],
         remat="never", input_shapes=input_shapes(), random_seed=7)
     p.train.Set(learning_rate=LEARNING_RATE, optimizer=optimizer,
-                shard_optimizer_state=sharded)
+                shard_optimizer_state=sharded, **train)
     task = p.Instantiate()
     task.prepare_for_training()
     return task, tf.function(task.TrainStep, autograph=False)
@@ -61,12 +61,19 @@ class ShardedTrainingTest(tf.test.TestCase, parameterized.TestCase):
     def test_weights_equal_unsharded_and_slots_hold_one_rth(self, num_replicas, num_cells,
                                                               optimizer):
         opt = {"momentum": MOMENTUM, "adam": ADAM}[optimizer]
-        plain, plain_step = make_task(num_replicas, num_cells, opt, sharded=False)
-        task, step = make_task(num_replicas, num_cells, opt, sharded=True)
+        # With Adam, also clipping to a global norm below the gradients' (so it scales every
+        # step) and an L2 term: both need the whole gradient, which every replica still has.
+        extra = (dict(clip_gradient_norm_to_value=0.05, l2_regularizer_weight=0.01)
+                 if optimizer == "adam" else {})
+        plain, plain_step = make_task(num_replicas, num_cells, opt, sharded=False, **extra)
+        task, step = make_task(num_replicas, num_cells, opt, sharded=True, **extra)
         for a, b in zip(plain.vars.Flatten(), task.vars.Flatten()):
             self.assertAllEqual(a, b)  # The same initial weights.
         train(plain_step, 0, 3)
         train(step, 0, 3)
+        if extra:
+            self.assertGreater(float(plain_step(make_batch(seed=3))["grad_norm"]), 0.05)
+            step(make_batch(seed=3))
         for a, b in zip(values(plain), values(task)):
             self.assertAllClose(a, b, rtol=1e-6, atol=1e-7)
         for var, copy in task.replica_variable_pairs():
