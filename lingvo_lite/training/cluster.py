@@ -6,11 +6,15 @@ variable `tf.distribute`'s cluster resolvers read:
     TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]},
                 "task": {"type": "worker", "index": 0}}'
 
-Every task serves its devices with a TensorFlow gRPC server. Task 0, the chief, is also the one
-client: it builds the model, reads the input, places replica r's cell k on a device of the
-cluster (`placement='cluster'`), runs the steps (activations cross hosts as TensorFlow's own
-send/receive, gradients are all-reduced with collective ops), and alone writes checkpoints,
-summaries and params.txt. The other tasks serve until the chief is gone.
+This module is the single-client mode (`--cluster_mode=single_client`, and `auto` when a
+replica's cells must span tasks); the default when every replica fits on one task is multi-
+client (`multi_client.py`: every task a client of its own replicas), which reuses the
+heartbeats below. In single-client mode every task serves its devices with a TensorFlow gRPC
+server, and task 0, the chief, is also the one client: it builds the model, reads the input,
+places replica r's cell k on a device of the cluster (`placement='cluster'`), runs the steps
+(activations cross hosts as TensorFlow's own send/receive, gradients are all-reduced with
+collective ops), and alone writes checkpoints, summaries and params.txt. The other tasks serve
+until the chief is gone.
 
 The R x K devices of the mesh are spread evenly, replica-major, over the tasks: with N tasks each
 task offers D = R*K/N devices, and device i is device i % D of task i // D. So R=2, K=2 on two
