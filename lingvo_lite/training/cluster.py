@@ -7,8 +7,8 @@ variable `tf.distribute`'s cluster resolvers read:
                 "task": {"type": "worker", "index": 0}}'
 
 This module is the single-client mode (`--cluster_mode=single_client`, and `auto` when a
-replica's cells must span tasks); the default when every replica fits on one task is multi-
-client (`multi_client.py`: every task a client of its own replicas), which reuses the
+replica's cells must span tasks); the default when every replica fits on one task is
+multi-client (`multi_client.py`: every task a client of its own replicas), which reuses the
 heartbeats below. In single-client mode every task serves its devices with a TensorFlow gRPC
 server, and task 0, the chief, is also the one client: it builds the model, reads the input,
 places replica r's cell k on a device of the cluster (`placement='cluster'`), runs the steps
