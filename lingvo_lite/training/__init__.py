@@ -28,7 +28,10 @@ Modules (each with one job; the trainer's own, `__all__ = []`, except `options` 
     charts, Chrome trace and suggestions);
   - `loop`: the Trainer (training loop) and the evaluation pass;
   - `decoding`: the decode mode (beam search over an eval split);
-  - `cluster`: TF_CONFIG, the servers of a multi-process run, and losing a task;
+  - `cluster`: TF_CONFIG, the heartbeats between the processes of a cluster, losing a task,
+    and the single-client mode (task 0 drives the whole mesh);
+  - `multi_client`, `multi_client_trainer`, `input_positions`: the multi-client mode (every
+    task a client of its own replicas and input shard) and each task's saved input position;
   - `runner`: `main(options)`, the per-mode setup and the user-error handling.
 """
 
