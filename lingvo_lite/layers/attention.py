@@ -200,7 +200,9 @@ class MultiHeadedAttention(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, query_shape: Any, key_shape: Any,
-                  value_shape: Any, paddings_shape: Any = None) -> NestedMap:
+                  value_shape: Any, paddings_shape: Any = None,
+                  segment_ids: bool = False) -> NestedMap:
+        """`segment_ids`: the call passes segment ids (packed rows)."""
         _check_params(cls.__name__, p)
         query = base_layer.to_shape(query_shape)
         key = base_layer.to_shape(key_shape)
@@ -232,7 +234,9 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         kept_masks = probs * (tf.bool.size + tf.float32.size) if p.atten_dropout_prob > 0.0 else 0
         # The masking select keeps its boolean condition: [B, 1, 1, Tk] from the paddings, or
         # [B, 1, Tq, Tk] with the causal mask too (the causal mask alone has no batch).
-        if paddings is not None:
+        if segment_ids:  # The condition is [B, 1, Tq, Tk] with segments.
+            kept_masks += B * Tq * Tk * tf.bool.size
+        elif paddings is not None:
             kept_masks += B * Tk * (Tq if p.causal_mask else 1) * tf.bool.size
         # A deferred weight gradient holds each projection's input and output gradient, and
         # the output projection's input (the context) and output gradient. Inputs of one shape

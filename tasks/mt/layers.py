@@ -238,15 +238,15 @@ class _AttentionBlock(base_layer.BaseLayer):
         return x + h
 
     @classmethod
-    def FPropMeta(cls, p: hyperparams.Params, x: Any, memory: Any = None
-                  ) -> NestedMap:
+    def FPropMeta(cls, p: hyperparams.Params, x: Any, memory: Any = None,
+                  segment_ids: bool = False) -> NestedMap:
         x = tf.TensorShape(x)
         kv = x if memory is None else tf.TensorShape(memory)
         children = cls.declare_children(p)
         ln = children["ln"].cls.FPropMeta(children["ln"], x)
         # The decoder's causal self-attention runs without paddings (DecoderLayer.FProp).
         att = children["atten"].cls.FPropMeta(children["atten"], x, kv, kv,
-                                              None if p.causal else kv[:2])
+                                              None if p.causal else kv[:2], segment_ids)
         metas = [ln, att]
         if "dropout" in children:
             metas.append(children["dropout"].cls.FPropMeta(children["dropout"], x))
@@ -313,7 +313,9 @@ class EncoderLayer(_TransformerLayer):
         inputs = _check_map(base_layer.to_shape(inputs), ("x", "src_paddings"), cls.__name__)
         children = cls.declare_children(p)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
-        metas = [c.cls.FPropMeta(c, x) for c in children.values()]
+        packed = "src_segment_ids" in inputs
+        metas = [c.cls.FPropMeta(c, x, segment_ids=packed) if name == "self_atten"
+                 else c.cls.FPropMeta(c, x) for name, c in children.items()]
         return _meta(sum(m.flops for m in metas), inputs.copy(),
                      sum(m.num_params for m in metas), p, metas)
 
@@ -395,9 +397,10 @@ class DecoderLayer(_TransformerLayer):
         children = cls.declare_children(p)
         x = _shape3(inputs.x, p.model_dim, "x", cls.__name__)
         enc = _shape3(inputs.encoder_output, p.model_dim, "encoder_output", cls.__name__)
-        metas = [c.cls.FPropMeta(c, *shapes) for c, shapes in (
-            (children["self_atten"], (x,)), (children["cross_atten"], (x, enc)),
-            (children["ffn"], (x,)))]
+        packed = dict(segment_ids="src_segment_ids" in inputs)
+        metas = [c.cls.FPropMeta(c, *shapes, **kw) for c, shapes, kw in (
+            (children["self_atten"], (x,), packed), (children["cross_atten"], (x, enc), packed),
+            (children["ffn"], (x,), {}))]
         # Plus encoder_output, which the cross-attention's key and value projections read.
         return _meta(sum(m.flops for m in metas), inputs.copy(),
                      sum(m.num_params for m in metas), p, metas,
