@@ -4,7 +4,8 @@ The data: token sequences of 2 to 32 tokens batched by `tf.data.Dataset.bucket_b
 into 8 x 8, 4 x 16 and 2 x 32 (padded to the bucket boundary, remainders dropped). The
 reference is the same Keras model, with the same initial weights, fit by Keras itself on the
 same batches (plain Keras traces its step for unknown shapes and needs no buckets).
-Tolerance: weights within 1e-5 (float32 sums in another order).
+Tolerance: weights and losses (validation on the same batches included) within 1e-5 (float32
+sums in another order).
 
 Plain Keras' optimizer counts one step more per epoch than it takes on a dataset of unknown
 length (its iterations variable is incremented in the call that finds the dataset exhausted),
@@ -83,11 +84,14 @@ class KerasBucketsTest(tf.test.TestCase):
                                    input_buckets=BUCKETS, **pipeline)
         pipelined.compile(optimizer=optimizer(), loss=_loss())
         traces = _CellTraces(pipelined)
-        history = pipelined.fit(_dataset(), epochs=epochs, verbose=0, callbacks=[traces])
+        history = pipelined.fit(_dataset(), epochs=epochs, verbose=0, callbacks=[traces],
+                                validation_data=_dataset())
         reference.set_weights(initial)
         reference.compile(optimizer=optimizer(), loss=_loss())
-        expected = reference.fit(_dataset(), epochs=epochs, verbose=0)
-        self.assertAllClose(expected.history["loss"], history.history["loss"], rtol=TOL)
+        expected = reference.fit(_dataset(), epochs=epochs, verbose=0,
+                                 validation_data=_dataset())
+        for key in ("loss", "val_loss"):  # Evaluation runs the buckets unsplit, any shape.
+            self.assertAllClose(expected.history[key], history.history[key], rtol=TOL)
         for want, got in zip(reference.get_weights(), pipelined.get_weights(), strict=True):
             self.assertAllClose(want, got, rtol=TOL, atol=TOL)
         # Every bucket occurs: one train-step trace each, and each cell traced for each
