@@ -66,6 +66,11 @@ def test_buckets_train_resume_exactly_and_report_tokens(tmp_path, monkeypatch):
     status, out, err = _train(split)  # Resumes at step 4, mid-stream, and trains to 8.
     assert status == 0, err
     assert "Resuming training from step 4" in out
+    # Step 4 is mid-epoch (of 9 batches), and the resumed steps come from several buckets,
+    # some filled from pairs the stream passed before the interruption.
+    one_pass = TinyBucketedMt().Train().Set(repeat=False).Instantiate().dataset()
+    shapes = [tuple(batch["src_ids"].shape) for batch in one_pass]
+    assert len(shapes) > 8 and len(set(shapes[4:8])) > 1, shapes
     a, b = _weights(whole), _weights(split)
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
