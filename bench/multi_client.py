@@ -263,7 +263,22 @@ def render(results: dict) -> list[str]:
              "ring's 4/3); beyond the ring share, N=2 -> 3 adds "
              f"{_kib(grow['single_client'])} KiB/step in single-client mode (the third "
              "replica's input and the step's remote dispatch) and "
-             f"{_kib(grow['multi_client'])} KiB/step in multi-client mode.", "",
+             f"{_kib(grow['multi_client'])} KiB/step in multi-client mode (the small "
+             "all-reduce of the loss and metrics, itself a ring, and per-collective framing). "
+             "So the chief's traffic is bounded in multi-client mode (it tends to twice the "
+             "gradients) but not constant from N=2 to 3: the ring's 2 (N-1) / N.", "",
+             "The chief's share of all tasks' CPU time falls towards 1/N in multi-client mode "
+             f"({results['multi_client_n2']['chief_of_all_cpu']:.0%} at N=2, "
+             f"{results['multi_client_n3']['chief_of_all_cpu']:.0%} at N=3) and stays higher "
+             "in single-client mode "
+             f"({results['single_client_n2']['chief_of_all_cpu']:.0%}, "
+             f"{results['single_client_n3']['chief_of_all_cpu']:.0%}), where the chief reads "
+             "every replica's input and dispatches every cell. Times were measured under "
+             "other jobs' load (see the load average above): one process took "
+             f"{results['one_process_n2']['step_ms']:.1f} ms per step with R=2 and "
+             f"{results['one_process_n3']['step_ms']:.1f} ms with R=3 on the same global "
+             "batch, so compare modes within a row group, not across; the byte counts are "
+             "exact.", "",
              f"Target: the chief's traffic per step beyond the all-reduce share every task "
              f"carries does not grow with N in multi-client mode (N=2 -> 3, loopback) | "
              f"{grow['multi_client'] / 1024:+,.1f} KiB/step | **{'met' if met else 'missed'}**",
