@@ -253,7 +253,7 @@ def render(results: dict) -> list[str]:
              / max(results[f"{m}_n2"]["bytes_in"] + results[f"{m}_n2"]["bytes_out"], 1)
              for m in ("single_client", "multi_client")}
     grow = {m: beyond[m, 3] - beyond[m, 2] for m in ("single_client", "multi_client")}
-    met = grow["multi_client"] <= 0.05 * GRADIENT_BYTES
+    met = grow["multi_client"] <= 0.01 * GRADIENT_BYTES
     body += ["", f"The ring share: a ring all-reduce of the {GRADIENT_BYTES / 1024:,.1f} KiB of "
              "gradients makes every member, the chief included, send and receive 2 (N-1) / N "
              f"times that ({_kib(ring_share(2))} KiB each way at N=2, {_kib(ring_share(3))} "
@@ -279,9 +279,11 @@ def render(results: dict) -> list[str]:
              f"{results['one_process_n3']['step_ms']:.1f} ms with R=3 on the same global "
              "batch, so compare modes within a row group, not across; the byte counts are "
              "exact.", "",
-             f"Target: the chief's traffic per step beyond the all-reduce share every task "
-             f"carries does not grow with N in multi-client mode (N=2 -> 3, loopback) | "
-             f"{grow['multi_client'] / 1024:+,.1f} KiB/step | **{'met' if met else 'missed'}**",
+             "Target: multi-client, N=2 -> 3 on loopback: the chief's traffic per step beyond "
+             "the ring all-reduce share every task carries grows by less than 1% of the "
+             f"gradients (the issue's goal, traffic not growing with N, read for a ring) | "
+             f"{grow['multi_client'] / 1024:+,.1f} KiB/step "
+             f"({grow['multi_client'] / GRADIENT_BYTES:.1%}) | **{'met' if met else 'missed'}**",
              "",
              f"WideMlp (512 -> {HIDDEN} -> {HIDDEN} -> {CLASSES}), global batch {BATCH}, one "
              "replica of a K=1 pipeline per task (R = N), T=2, intra-op threads 1; "
