@@ -276,11 +276,14 @@ def _candidates(scheds: Sequence[tuple[schedule_lib.Schedule, int]],
         if orders in seen_orders:
             continue
         seen_orders.add(orders)
-        # With R > 1, a ring all-reduce of the gradients of the device that holds the most.
+        # With R > 1, a ring all-reduce of the gradients of the device that holds the most;
+        # sharded slots (ZeRO-1) add the all-gather of the updated weights, (R - 1) / R more.
         grads = max(sum(m.trainable_bytes for c in sched.cells_of_device(d)
                         for m in layers[slice(*ranges[c])])
                     for d in range(sched.num_devices))
         all_reduce = (2.0 * (r - 1) / r * grads / link_bytes_per_s) if r > 1 else 0.0
+        if shard_slots:
+            all_reduce *= 1.5
         seen_remat = set()
         for remat in sorted(remats, key=_REMAT_PREFERENCE.index):
             recomputed = remat_lib.recomputed_actions(sched, remat)
