@@ -212,6 +212,10 @@ class _Watch:
         self._seen = {t: time.monotonic() for t in range(cluster.num_tasks)
                       if t != cluster.task_index}
 
+    @property
+    def peers(self) -> list[int]:
+        return list(self._seen)
+
     def start(self) -> _Watch:
         threading.Thread(target=self._run, name="multi-client-watch", daemon=True).start()
         return self
@@ -249,7 +253,7 @@ def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out
         # A task that died fails the collectives at once: name it (bounded) like the watch.
         deadline = time.monotonic() + cluster_lib.LOST_AFTER_S + 5.0
         while time.monotonic() < deadline:
-            for t in watch._seen:
+            for t in watch.peers:
                 if not cluster_lib.reachable(cluster.addresses[t], timeout=0.5):
                     cluster_lib.exit_now(lost_message(cluster, t, watch.logdir))
             time.sleep(1.0)  # Stopped, not dead: the watch ends the process.
@@ -264,7 +268,7 @@ def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out
         deadline = time.monotonic() + FINAL_WAIT_S
         while time.monotonic() < deadline and not all(
                 channel.peer_state(t) == "finished" or watch.stale(t) > 3.0
-                for t in watch._seen):
+                for t in watch.peers):
             time.sleep(0.2)
         channel.ping_now()  # The last to finish tells the others before leaving.
         time.sleep(0.2)
