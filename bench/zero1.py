@@ -10,7 +10,9 @@ and each of unsharded / sharded, per device:
   pipeline was built (weights, slots, collective tokens);
 * peak: the median over `device_memory.MEASURED_STEPS` steps of the device's peak in a step
   above that same baseline (forward, backward, all-reduce, update, all-gather);
-* predicted slot bytes: `planner.predict_memory(..., shard_optimizer_state=...)`.
+* predicted slot bytes: `planner.predict_memory(..., shard_optimizer_state=...)`;
+* step time: the median over interleaved rounds (unsharded, sharded, unsharded, ...) of the
+  mean time of a few steps, each waiting for every weight update.
 
     python bench/zero1.py            # writes bench/separate/zero1.md
 """
@@ -99,9 +101,26 @@ def measure(cluster, num_replicas: int, num_cells: int, sharded: bool) -> dict:
     for v in slots:
         index = tf.DeviceSpec.from_string(v.device).task
         slot_bytes[index] += v.shape.num_elements() * v.dtype.size
+
+    def run_step() -> None:
+        fn(batch)
+        float(sync())
+
     return {"slot_bytes": slot_bytes, "resident": resident[:num_devices],
             "peak": [int(statistics.median(d)) for d in zip(*per_step)][:num_devices],
-            "devices": devices}
+            "devices": devices, "run_step": run_step}
+
+
+def step_times(runs: dict, rounds: int = 5, steps: int = 5) -> dict:
+    """Median over interleaved rounds of the mean seconds per step, for each entry of `runs`."""
+    times: dict = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                run["run_step"]()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def predicted_slot_bytes(num_replicas: int, num_cells: int, sharded: bool) -> list[int]:
@@ -138,6 +157,7 @@ def main() -> None:
         for r, k in CONFIGS:
             got = {s: measure(cluster, r, k, s) for s in (False, True)}
             want = {s: predicted_slot_bytes(r, k, s) for s in (False, True)}
+            seconds = step_times(got)
             for d in range(r * k):
                 cell = d % k
                 plain, zero = got[False], got[True]
@@ -154,7 +174,9 @@ def main() -> None:
                            f"{ratio:.3f} (1/R = {1 / r:.3f}); resident bytes per device "
                            f"{saved / MIB:.2f} MiB lower on average; peak per device "
                            f"{statistics.mean(got[False]['peak']) / MIB:.2f} -> "
-                           f"{statistics.mean(got[True]['peak']) / MIB:.2f} MiB (mean).")
+                           f"{statistics.mean(got[True]['peak']) / MIB:.2f} MiB (mean); "
+                           f"step {seconds[False] * 1e3:.1f} -> {seconds[True] * 1e3:.1f} ms "
+                           f"({seconds[True] / seconds[False]:.2f}x).")
     body = [
         f"A stack of {LAYERS} dense {WIDTH}x{WIDTH} tanh layers and a softmax (batch {BATCH}, "
         "T=1, remat never), Adam (2 weight-sized slots and a step count per weight), one gRPC "
@@ -163,7 +185,9 @@ def main() -> None:
         "allocator bytes in use after the steps, above the worker's bytes before the pipeline "
         f"was built. Peak: median over {device_memory.MEASURED_STEPS} steps of the step's "
         "peak above the same baseline. "
-        "Predicted: planner.predict_memory's optimizer_slots (unsharded / sharded).",
+        "Predicted: planner.predict_memory's optimizer_slots (unsharded / sharded). Step: the "
+        "median of 5 interleaved rounds of 5 steps over loopback gRPC, each step waiting for "
+        "every weight update (the machine's other jobs add noise: see the load).",
         "",
         "| mesh | device | slot MiB unsharded | slot MiB sharded | ratio | predicted slot MiB "
         "| resident MiB (unsharded / sharded) | peak MiB (unsharded / sharded) |",
