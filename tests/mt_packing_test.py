@@ -10,15 +10,19 @@ hold exactly the pairs of the unpacked stream, in order.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import tensorflow as tf
 from mt_buckets_test import _params, data_dir  # noqa: F401  (the corpus fixture)
 
 from lingvo_lite import fprop_context
+from lingvo_lite.analysis import memory_model
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.training import options, runner
 from tasks.mt import layers, packing
 
 VOCAB, S, T = 17, 12, 12
@@ -123,3 +127,18 @@ def test_input_packs_the_pairs_of_the_stream_in_order(data_dir):  # noqa: F811
                                       b["tgt_paddings"].numpy() == 1)
     with pytest.raises(ValueError, match="pack=True with bucket_lengths"):
         _params(data_dir, pack=True, bucket_lengths=[50], bucket_batch_sizes=[4]).Instantiate()
+
+
+def test_registered_packed_model_is_inspected_with_its_segment_fields():
+    out = io.StringIO()
+    assert runner.main(options.RunOptions(model="mt.TransformerSmallPacked",
+                                          mode="inspect_model"), out=out) == 0
+    text = out.getvalue()
+    assert "src_segment_pos: [32, 16]" in text and "tgt_segment_ids: [32, 18]" in text
+    # The encoder self-attention keeps its [B, 1, S, S] boolean segment mask instead of the
+    # paddings' [B, 1, 1, S]: 4 * 12 * 12 - 4 * 12 bytes more per encoder layer.
+    kept = [memory_model.layer_memory(pipelining_layer.PipeliningLayer.LayerMetas(
+        pipelining_layer.PipeliningLayer.Params().Set(
+            name="p", layers=_layer_params(), input_shapes=layers.input_shapes(4, S, T, packed))),
+        4)[1].saved_bytes for packed in (True, False)]
+    assert kept[0] - kept[1] == 4 * S * S - 4 * S

@@ -140,7 +140,8 @@ def describe_pipeline(path: str, p: hyperparams.Params,
             lines += ["", f"(no bucket mix: {e})"]
         else:
             lines += ["", *bucket_plan.mix_lines(steps, f"{source}; K={p.num_cells}, "
-                                                 f"{p.schedule}, remat={p.remat}",
+                                                 f"{p.schedule}, remat={p.remat}; memory with "
+                                                 "one optimizer slot per weight",
                                                  planned=buckets.planning_shapes(p))]
     if p.num_replicas > 1:
         lines += ["", _describe_mesh(p)]
