@@ -116,23 +116,50 @@ def test_refusals_are_one_line():
         "the whole batch); use 'sum_over_batch_size' or 'sum'.")
 
 
-def test_looked_up_embedding_sgd_exact_adam_refused():
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_embedding_looked_up_from_an_input_trains_exactly(optimizer):
     # Keras hands a looked-up embedding's gradient to the optimizer as one row per token
-    # occurrence (IndexedSlices): Adam squares each row, the pipeline's gradient is their
-    # dense sum. SGD is linear, so it trains the same; other optimizers are refused.
-    x, y = padded_tokens(8), np.arange(8) % 5
+    # occurrence (IndexedSlices), which Adam and RMSprop square row by row: the embedding
+    # runs before the pipeline and gets that gradient from the pipeline's input gradient.
+    x, y = padded_tokens(16), np.arange(16) % 5
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model = masked_sequence_model(pooled=True)
     pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=4)
+    assert [p.name for p in pipelined.pipeline.params.layers][0] == "node_0_d1"
     start = model.get_weights()
     for m in (model, pipelined):
-        m.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        m.compile(optimizer=keras.optimizers.get(optimizer), loss=loss)
         m.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     for a, b in zip(pipelined.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=TOL)
     assert float(np.abs(model.get_weights()[0] - start[0]).max()) > 1e-3
+    np.testing.assert_allclose(pipelined.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)
+
+
+def shared_embedding_model() -> keras.Model:
+    keras.utils.set_random_seed(9)
+    a = keras.Input((4,), dtype="int32", name="a")
+    b = keras.Input((4,), dtype="int32", name="b")
+    embed = keras.layers.Embedding(20, 6, name="shared_embed")
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(
+        keras.layers.Add(name="sum")([embed(a), embed(b)]))
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(3, name="out")(pooled))
+
+
+def test_embedding_inside_the_pipeline_sgd_exact_adam_refused():
+    # Called twice, the embedding stays in the pipeline, whose gradient is the dense sum:
+    # exact with SGD (linear), refused in one line with Adam.
+    rng = np.random.default_rng(2)
+    x = {"a": rng.integers(0, 20, (8, 4)).astype("int32"),
+         "b": rng.integers(0, 20, (8, 4)).astype("int32")}
+    y = np.arange(8) % 3
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    assert_step(shared_embedding_model(), loss, x, y, num_cells=2, num_micro_batches=4)
+    pipelined = PipelinedModel(shared_embedding_model(), num_cells=2)
     assert refusal(lambda: pipelined.compile(optimizer="adam", loss=loss)) == (
-        "PipelinedModel.compile: optimizer Adam with the trainable Embedding 'embed' would "
-        "train differently from plain Keras (which squares each token occurrence's gradient "
-        "separately; the pipeline sums an embedding's gradient first): use SGD or freeze the "
-        "embedding (trainable=False).")
+        "PipelinedModel.compile: optimizer Adam with the trainable Embedding 'shared_embed' "
+        "would train differently from plain Keras (which squares each token occurrence's "
+        "gradient separately; the pipeline sums the gradient of an embedding it runs, and runs "
+        "those not looked up from the model's inputs): use SGD or freeze the embedding "
+        "(trainable=False).")

@@ -13,6 +13,9 @@ as the output projection) keeps one variable, on the device of its first call; t
 call also sends the weights' values down the pipeline in the map, and each later call
 reads them there, so the gradient contributions of every call flow back through the cuts
 and are summed into the one variable by the same backward that carries activations.
+A trainable embedding looked up from the model's inputs (BERT's token and segment
+embeddings) runs before the pipeline instead (front_embeddings.py), so that Adam and
+other optimizers get Keras' per-occurrence gradient and train it exactly.
 
 `FunctionalPipelinedModel` trains it with `compile`/`fit` (several inputs and outputs as
 the model declares them: dicts or lists; one loss per output; Keras masks carried beside
@@ -48,7 +51,7 @@ from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import graph_layer, keras_buckets, keras_layer
+from lingvo_lite.keras import front_embeddings, graph_layer, keras_buckets, keras_layer
 from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
 from lingvo_lite.keras.pipelined_model import (
     PipelinedModel,
@@ -143,6 +146,8 @@ def functional_pipeline_params(model: keras.Model, num_cells: int = 1,
         layers = layer_params(plan)
     shapes = NestedMap({k: tf.TensorShape([cost_batch_size, *plan.specs[k][0]])
                         for k in plan.input_keys})
+    shapes.update({graph_layer.mask_key(k): tf.TensorShape([cost_batch_size, *plan.masks[k][0]])
+                   for k in plan.input_keys if k in plan.masks})  # A front embedding's mask.
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, layers=layers, num_cells=num_cells, input_shapes=shapes, **pipeline)
 
@@ -152,6 +157,8 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
     """The tensors each cut carries (one micro-batch of `micro_batch_size` examples)."""
     ranges = pipeline.partition.cell_layer_ranges
     live: dict[str, tuple[Any, ...]] = {k: plan.specs[k] for k in plan.input_keys}
+    live.update({graph_layer.mask_key(k): plan.masks[k] for k in plan.input_keys
+                 if k in plan.masks})
     lines = [f"Tensors crossing each cut (bytes per micro-batch of {micro_batch_size}; the "
              "labels y and any sample_weight travel too):"]
     for i, layer in enumerate(pipeline.layers[:-2]):
@@ -218,16 +225,27 @@ class FunctionalPipelinedModel(PipelinedModel):
         if declared:
             settings["input_buckets"] = keras_buckets.pipeline_buckets_of(
                 declared, dict(zip(names, plan.input_keys)))
-        params = functional_pipeline_params(model, cost_batch_size=cost_batch_size, plan=plan,
-                                            **settings)
+        # Embeddings looked up from the inputs run before the pipeline (front_embeddings.py).
+        pipe_plan, front_nodes = front_embeddings.split(plan) if not declared else (plan, [])
+        params = functional_pipeline_params(model, cost_batch_size=cost_batch_size,
+                                            plan=pipe_plan, **settings)
         pipeline = params.Instantiate()
+        front = (front_embeddings.FrontEmbeddings(front_nodes, plan, pipeline.devices[0])
+                 if front_nodes else None)
         plain = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
-        _share_variables(model, plain, plan, pipeline)
+        owners = [(node.layer, layer.keras_layer) for node, layer in
+                  zip(pipe_plan.nodes, pipeline.layers)
+                  if isinstance(layer, graph_layer.GraphNodeLayer)]
+        if front is not None:
+            owners += [(node.layer, layer) for node, layer in zip(front_nodes, front.layers)]
+        _share_variables(model, plain, owners)
         self.plain = plain
         self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan,
-                               buckets=declared, input_names=names)
+                               buckets=declared, input_names=names, pipe_plan=pipe_plan,
+                               front=front)
         position = {id(leaf): i for i, leaf in enumerate(pipeline.theta.Flatten())}
-        self._hidden.grad_index = [position[id(v.value)] for v in plain.trainable_variables]
+        # Index into the pipeline's gradients, or None for a front embedding's variables.
+        self._hidden.grad_index = [position.get(id(v.value)) for v in plain.trainable_variables]
         self.built = True
 
     def partition_report(self, batch_size: int | None = None) -> str:
@@ -238,7 +256,7 @@ class FunctionalPipelinedModel(PipelinedModel):
             micro = batch // pipe.num_micro_batches_for(batch)
         except ValueError:
             micro = batch
-        return pipe.partition.report() + "\n" + cut_report(pipe, self._hidden.plan, micro)
+        return pipe.partition.report() + "\n" + cut_report(pipe, self._hidden.pipe_plan, micro)
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 jit_compile: Any = "auto", **kwargs: Any) -> None:
@@ -251,7 +269,7 @@ class FunctionalPipelinedModel(PipelinedModel):
                 "step for one device, and the pipeline places each cell on its own); leave "
                 "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
-        _check_sparse_gradients(self._hidden.plan, optimizer)
+        front_embeddings.check_sparse_gradients(self._hidden.pipe_plan, optimizer)
         self.pipeline.layers[-1].set_loss(
             self._by_map_name(loss, "loss"), self._by_map_name(loss_weights, "loss_weights"),
             several_outputs=not isinstance(self._hidden.plan.outputs, str))
@@ -297,7 +315,7 @@ class FunctionalPipelinedModel(PipelinedModel):
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         pipe = self.pipeline
-        x = self._input_map(inputs)
+        x = self._pipe_inputs(self._input_map(inputs))
         collector = fprop_context.UpdateCollector() if training else None
         with fprop_context.fprop_context(training=bool(training), updates=collector):
             batch = x.Flatten()[0].shape[0]
@@ -308,6 +326,11 @@ class FunctionalPipelinedModel(PipelinedModel):
         if collector is not None:
             collector.apply()
         return self._to_keras(out.predictions, out.get("predictions_mask"))
+
+    def _pipe_inputs(self, inputs: NestedMap) -> NestedMap:
+        """The pipeline's input map: the model's inputs, front embeddings applied."""
+        front = self._hidden.front
+        return inputs if front is None else front.apply(inputs, self._hidden.pipe_plan.input_keys)
 
     def train_step(self, data: Any) -> dict[str, Any]:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -332,7 +355,12 @@ class FunctionalPipelinedModel(PipelinedModel):
 
     def _pipelined_step(self, x: Any, y: Any, sample_weight: Any) -> tuple[Any, ...]:
         """(loss, gradients, predictions, side updates to apply) of one training batch."""
-        inputs = self._input_map(x)
+        front = self._hidden.front
+        with tf.GradientTape(watch_accessed_variables=False) as front_tape:
+            if front is not None:
+                front_tape.watch([v.value for v in front.trainable_variables])
+            model_inputs = self._input_map(x)
+            inputs = self._pipe_inputs(model_inputs)
         inputs.y = self._to_map(y)
         if sample_weight is not None:
             inputs.sample_weight = self._to_map(sample_weight)
@@ -341,13 +369,19 @@ class FunctionalPipelinedModel(PipelinedModel):
         # apply_gradients unscales the gradients.
         inputs.loss_scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         pipe = self.pipeline
-        batch = inputs[self._hidden.plan.input_keys[0]].shape[0]
+        batch = model_inputs[self._hidden.plan.input_keys[0]].shape[0]
         inputs.num_micro_batches = tf.constant(float(pipe.num_micro_batches_for(batch)))
         collector = fprop_context.UpdateCollector()
         with fprop_context.fprop_context(training=True, updates=collector):
-            out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+            if front is None:
+                out, grads = pipe.FPropAndGrads(pipe.theta, inputs)
+            else:
+                out, grads, input_grads = pipe.FPropAndGrads(pipe.theta, inputs,
+                                                             return_input_grads=True)
+                front_grads = front.gradients(front_tape, inputs, input_grads)
         flat = grads.Flatten()
-        gradients = [flat[i] for i in self._hidden.grad_index]
+        gradients = [flat[i] if i is not None else front_grads[id(v.value)]
+                     for i, v in zip(self._hidden.grad_index, self.plain.trainable_variables)]
         loss = out.loss / inputs.loss_scale
         loss = _add_weight_penalties(self.plain.trainable_variables, gradients, loss,
                                      inputs.loss_scale)
@@ -365,36 +399,11 @@ class FunctionalPipelinedModel(PipelinedModel):
         return cls(model, **config)
 
 
-def _check_sparse_gradients(plan: GraphPlan, optimizer: keras.optimizers.Optimizer) -> None:
-    """Refuses a non-SGD optimizer with a trainable embedding that is only looked up.
-
-    Keras hands such an embedding's gradient to the optimizer as IndexedSlices with one row
-    per token occurrence, and an optimizer that squares the gradient (Adam, RMSprop, ...)
-    squares each occurrence separately; the pipeline's gradient is the dense sum, which only
-    a linear update (SGD) treats the same. A tied embedding also used densely (GPT-2's
-    `reverse=True` LM head) gets a dense gradient in Keras too.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if isinstance(inner, keras.optimizers.SGD):
-        return
-    dense = {id(n.layer) for n in plan.nodes if n.call["kwargs"].get("reverse") is True}
-    for node in plan.nodes:
-        if not isinstance(node.layer, keras.layers.Layer) or id(node.layer) in dense:
-            continue
-        for sub in node.layer._flatten_layers(include_self=True, recursive=True):
-            if isinstance(sub, keras.layers.Embedding) and sub.trainable:
-                raise ValueError(
-                    f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
-                    f"trainable Embedding '{sub.name}' would train differently from plain "
-                    "Keras (which squares each token occurrence's gradient separately; the "
-                    "pipeline sums an embedding's gradient first): use SGD or freeze the "
-                    "embedding (trainable=False).")
-
-
-def _share_variables(model: keras.Model, plain: keras.Model, plan: GraphPlan,
-                     pipeline: pipelining_layer.PipeliningLayer) -> None:
-    """Copies the model's weights into the pipeline and makes `plain`'s variables the
-    pipeline's (same tf.Variables), so `plain` has the original layout."""
+def _share_variables(model: keras.Model, plain: keras.Model,
+                     owners: list[tuple[keras.layers.Layer, keras.layers.Layer]]) -> None:
+    """Copies the model's weights into the layers that own them in the pipeline (`owners`:
+    (the model's layer, its copy) pairs) and makes `plain`'s variables those (same
+    tf.Variables), so `plain` has the original layout."""
     user_layers = list(model._flatten_layers(include_self=False, recursive=True))
     plain_layers = list(plain._flatten_layers(include_self=False, recursive=True))
     if [type(a) for a in user_layers] != [type(b) for b in plain_layers]:
@@ -406,15 +415,12 @@ def _share_variables(model: keras.Model, plain: keras.Model, plan: GraphPlan,
         # layer would come back trainable.
         copy.trainable = source.trainable
     shared = set()
-    for node, layer in zip(plan.nodes, pipeline.layers):
-        if not isinstance(layer, graph_layer.GraphNodeLayer):
-            continue
-        target = plain_layers[position[id(node.layer)]]
-        triples = list(zip(node.layer.variables, layer.keras_layer.variables, target.variables))
-        if not (len(node.layer.variables) == len(layer.keras_layer.variables)
-                == len(target.variables)) or any(
+    for user, owner in owners:
+        target = plain_layers[position[id(user)]]
+        triples = list(zip(user.variables, owner.variables, target.variables))
+        if not (len(user.variables) == len(owner.variables) == len(target.variables)) or any(
                 tuple(a.shape) != tuple(b.shape) for a, b, _ in triples):
-            raise ValueError(f"PipelinedModel: the weights of Keras layer '{node.layer.name}' do "
+            raise ValueError(f"PipelinedModel: the weights of Keras layer '{user.name}' do "
                              "not match its rebuilt copy; is its config complete?")
         for source, owned, alias in triples:
             owned.assign(source.value)

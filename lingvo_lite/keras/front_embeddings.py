@@ -1,0 +1,137 @@
+"""Embeddings a functional model looks up from its inputs, run before the pipeline.
+
+Keras hands a looked-up embedding's gradient to the optimizer as `IndexedSlices`, one row per
+token occurrence, and optimizers that square the gradient (Adam, RMSprop, ...) square each
+row separately; the pipeline sums every weight's gradient densely. So a trainable
+`keras.layers.Embedding` (keras-hub's `ReversibleEmbedding` included) that reads only model
+inputs and is called once runs here instead, on cell 0's device, before the batch is split:
+its output enters the pipeline as an input, and its gradient is taken as Keras takes it, from
+the pipeline's gradient of that input (the layer-list `PipelinedModel` does the same for a
+leading Embedding). Any optimizer then trains it exactly. Other trainable embeddings (called
+on computed tensors, or shared) stay in the pipeline, and with an optimizer other than SGD
+they are refused in one line (`check_sparse_gradients`); a tied embedding also used densely
+(GPT-2's `reverse=True` LM head) gets a dense gradient in Keras too and trains exactly.
+
+Example:
+    >>> import keras
+    >>> from lingvo_lite.keras.graph_trace import trace_model
+    >>> ids = keras.Input((4,), dtype='int32', name='ids')
+    >>> h = keras.layers.Embedding(10, 3, name='embed')(ids)
+    >>> pipe_plan, front = split(trace_model(keras.Model(ids, keras.layers.Dense(2)(h))))
+    >>> [n.name for n in front], pipe_plan.input_keys
+    (['embed'], ['embed'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common.masking import get_keras_mask
+
+from lingvo_lite.keras import graph_layer, keras_layer
+from lingvo_lite.keras.graph_trace import GraphNode, GraphPlan
+from lingvo_lite.nested_map import NestedMap
+
+__all__ = ["FrontEmbeddings", "check_sparse_gradients", "split"]
+
+
+def _runs_in_front(plan: GraphPlan, i: int) -> bool:
+    node = plan.nodes[i]
+    reads = graph_layer.tensor_keys(node.call)
+    return (isinstance(node.layer, keras.layers.Embedding) and node.layer.trainable
+            and node.first_call is None and len(node.outputs) == 1
+            and node.call["kwargs"].get("reverse") is not True
+            and all(other is node or other.layer is not node.layer for other in plan.nodes)
+            and bool(reads) and set(reads) <= set(plan.input_keys))
+
+
+def split(plan: GraphPlan) -> tuple[GraphPlan, list[GraphNode]]:
+    """(the plan the pipeline runs, the embedding nodes that run before it)."""
+    front = [i for i in range(len(plan.nodes)) if _runs_in_front(plan, i)]
+    if not front:
+        return plan, []
+    shift = {i: sum(f < i for f in front) for i in range(len(plan.nodes))}
+    nodes = [dataclasses.replace(n, first_call=None if n.first_call is None
+                                 else n.first_call - shift[n.first_call])
+             for i, n in enumerate(plan.nodes) if i not in front]
+    read = {k for n in nodes for k in graph_layer.tensor_keys(n.call)}
+    read |= set(graph_layer.tensor_keys({"outputs": _refs(plan.outputs)}))
+    inputs = [k for k in plan.input_keys if k in read] + [plan.nodes[i].outputs[0] for i in front]
+    return (dataclasses.replace(plan, nodes=nodes, input_keys=inputs),
+            [plan.nodes[i] for i in front])
+
+
+def _refs(outputs: Any) -> Any:
+    if isinstance(outputs, str):
+        return {graph_layer.TENSOR_REF: outputs}
+    if isinstance(outputs, dict):
+        return [_refs(v) for v in outputs.values()]
+    return [_refs(v) for v in outputs]
+
+
+class FrontEmbeddings:
+    """The front embedding layers, built on `device` with the model's weights."""
+
+    def __init__(self, nodes: list[GraphNode], plan: GraphPlan, device: str) -> None:
+        self.nodes = nodes
+        self.masked = {n.outputs[0] for n in nodes if n.outputs[0] in plan.masks}
+        self.layers = []
+        for node in nodes:
+            with tf.device(device):
+                layer = keras_layer.deserialize(keras_layer.serialize(node.layer))
+                shape = plan.specs[graph_layer.tensor_keys(node.call)[0]][0]
+                layer.build((None, *shape))
+            self.layers.append(layer)
+        self.device = device
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        return [v for layer in self.layers for v in layer.trainable_variables]
+
+    def apply(self, inputs: NestedMap, keys: list[str]) -> NestedMap:
+        """The pipeline's input map (`keys`, with their masks) from the model's inputs."""
+        live = NestedMap(inputs)
+        with tf.device(self.device):
+            for node, layer in zip(self.nodes, self.layers):
+                call = graph_layer._fill(node.call, live)
+                out = live[node.outputs[0]] = layer(*call["args"], **call["kwargs"])
+                if node.outputs[0] in self.masked:
+                    live[graph_layer.mask_key(node.outputs[0])] = get_keras_mask(out)
+        out = NestedMap({k: live[k] for k in keys})
+        out.update({graph_layer.mask_key(k): live[graph_layer.mask_key(k)]
+                    for k in keys if k in self.masked})
+        return out
+
+    def gradients(self, tape: tf.GradientTape, inputs: NestedMap,
+                  input_grads: NestedMap) -> dict[int, Any]:
+        """id(variable.value) -> its gradient, as Keras takes it (IndexedSlices for a lookup)."""
+        keys = [n.outputs[0] for n in self.nodes]
+        variables = self.trainable_variables
+        with tf.device(self.device):
+            grads = tape.gradient([inputs[k] for k in keys], [v.value for v in variables],
+                                  output_gradients=[input_grads[k] for k in keys])
+        return {id(v.value): g for v, g in zip(variables, grads)}
+
+
+def check_sparse_gradients(plan: GraphPlan, optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuses (one line) a non-SGD optimizer with a trainable embedding that is only looked
+    up inside the pipeline (see the module doc)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if isinstance(inner, keras.optimizers.SGD):
+        return
+    dense = {id(n.layer) for n in plan.nodes if n.call["kwargs"].get("reverse") is True}
+    for node in plan.nodes:
+        if not isinstance(node.layer, keras.layers.Layer) or id(node.layer) in dense:
+            continue
+        for sub in node.layer._flatten_layers(include_self=True, recursive=True):
+            if isinstance(sub, keras.layers.Embedding) and sub.trainable:
+                raise ValueError(
+                    f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
+                    f"trainable Embedding '{sub.name}' would train differently from plain "
+                    "Keras (which squares each token occurrence's gradient separately; the "
+                    "pipeline sums the gradient of an embedding it runs, and runs those not "
+                    "looked up from the model's inputs): use SGD or freeze the embedding "
+                    "(trainable=False).")
