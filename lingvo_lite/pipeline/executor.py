@@ -78,6 +78,9 @@ class StepState:
     # Deferred weight gradients: a kept forward's stash (filled by its backward's tape), and
     # what W(k, t) (or a cell's batched W) computes them from.
     stashes: dict[Key, weight_ops.Stash] = dataclasses.field(default_factory=dict)
+    # Whether the first cell's backward computes d(loss)/d(input) (else its tape does not
+    # watch the input: a watched input costs a gradient op per layer that reads it).
+    need_input_grads: bool = False
     deferred: dict[Key, list[weight_ops.Record]] = dataclasses.field(default_factory=dict)
 
 
@@ -184,7 +187,8 @@ class Executor:
         seed = self._step_seeds()
         state = StepState(boundary={(0, t): x for t, x in enumerate(xs)},
                           offsets=self._first_offsets(len(xs), micro_batch_size),
-                          last_ops=[[] for _ in range(sched.num_devices)])
+                          last_ops=[[] for _ in range(sched.num_devices)],
+                          need_input_grads=need_input_grads)
         sources = [[v for v in theta.Flatten() if is_trainable(v)] for theta in thetas]
         # One micro-batch has nothing to batch.
         batched_weight_grads = batched_weight_grads and len(xs) > 1
@@ -239,7 +243,8 @@ class Executor:
             if (k, t) in keep:
                 tape = tf.GradientTape(watch_accessed_variables=False)
                 with tape:
-                    tape.watch([v for v in x.leaves if is_float(v)] + sources[k])
+                    watched = x.leaves if k > 0 or state.need_input_grads else []
+                    tape.watch([v for v in watched if is_float(v)] + sources[k])
                     # Inline, so the backward frees the activations layer by layer; on
                     # serial devices only a call runs one op at a time (and then its weight
                     # gradients cannot be deferred: the call's gradient is a function of its
