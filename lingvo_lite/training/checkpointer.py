@@ -427,6 +427,14 @@ class Checkpointer:
                     "lingvo-lite did before its optimizers updated weights in place "
                     "(2026-11-25); this version keeps one per weight and cannot resume it. Use "
                     "a new --logdir, or the lingvo-lite version that wrote it.", first) from None
+            if not self._partial and not any(
+                    name.startswith("iterator/") for name, _ in tf.train.list_variables(path)):
+                raise InputPositionMismatchError(
+                    f"checkpoint {path} holds no input position (a multi-client cluster run "
+                    "keeps each task's under <logdir>/input_positions/; a TPU run keeps "
+                    "none). Resume it as it was run (the same TF_CONFIG tasks), or here with "
+                    "--reset_input_position (its weights, the input from its "
+                    "beginning).") from None
             raise CheckpointMismatchError(
                 f"Checkpoint {path} does not match this model ({first}). Were the model params "
                 "changed? Use a new --logdir, or the params the run was started with "
