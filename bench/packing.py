@@ -133,7 +133,7 @@ def main() -> None:
         import report
 
         path = report.record_separate(
-            "17_packing", "17. Packing vs length buckets vs padding (issue 38)", body,
+            "packing", "Packing vs length buckets vs padding (issue 38)", body,
             ".venv/bin/python bench/packing.py --record")
         print(f"Wrote {path}")
 

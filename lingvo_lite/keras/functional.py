@@ -222,11 +222,11 @@ class FunctionalPipelinedModel(PipelinedModel):
                 keras_buckets.largest(declared))
             cost_batch_size = next(iter(keras_buckets.largest(declared).values()))[0]
         plan = trace_model(model, input_shape)
-        if declared:
-            settings["input_buckets"] = keras_buckets.pipeline_buckets_of(
-                declared, dict(zip(names, plan.input_keys)))
         # Embeddings looked up from the inputs run before the pipeline (front_embeddings.py).
-        pipe_plan, front_nodes = front_embeddings.split(plan) if not declared else (plan, [])
+        pipe_plan, front_nodes = front_embeddings.split(plan)
+        if declared:
+            settings["input_buckets"] = keras_buckets.functional_pipeline_buckets(
+                declared, dict(zip(names, plan.input_keys)), front_nodes, pipe_plan.input_keys)
         params = functional_pipeline_params(model, cost_batch_size=cost_batch_size,
                                             plan=pipe_plan, **settings)
         pipeline = params.Instantiate()

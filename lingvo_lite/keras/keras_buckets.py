@@ -26,12 +26,13 @@ from typing import Any
 import tensorflow as tf
 from keras.src import tree
 
+from lingvo_lite.keras import graph_layer
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets as pipeline_buckets
 
 __all__ = ["BucketedTrainFunction", "check_batch", "describe", "example_shapes", "largest",
-           "functional_input_names", "normalize", "pipeline_buckets_of", "plain_shape",
-           "shapes_by_name"]
+           "functional_input_names", "functional_pipeline_buckets", "normalize",
+           "pipeline_buckets_of", "plain_shape", "shapes_by_name"]
 
 
 def normalize(input_buckets: Any, input_names: Sequence[str]) -> list[dict[str, tuple]]:
@@ -164,3 +165,19 @@ def functional_input_names(model: Any) -> list[str]:
     (graph_trace's order: sorted for a dict of inputs, else the model's inputs)."""
     struct = model._inputs_struct
     return sorted(struct) if isinstance(struct, dict) else [t.name for t in model.inputs]
+
+
+def functional_pipeline_buckets(buckets: Sequence[dict[str, tuple]], key_of: dict[str, str],
+                                front_nodes: Sequence[Any], pipe_keys: Sequence[str]
+                                ) -> list[Any]:
+    """The PipeliningLayer.input_buckets of a functional model's buckets: the shapes of the
+    pipeline's input keys, a front embedding's output (front_embeddings.py) shaped from the
+    bucket's shape of the input it looks up."""
+    out = []
+    for bucket in buckets:
+        shapes = {key_of[n]: tuple(s) for n, s in bucket.items()}
+        for node in front_nodes:
+            read = graph_layer.tensor_keys(node.call)[0]
+            shapes[node.outputs[0]] = tuple(node.layer.compute_output_shape(shapes[read]))
+        out.append(NestedMap({k: list(shapes[k]) for k in pipe_keys}))
+    return pipeline_buckets.normalize(out)
