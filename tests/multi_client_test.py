@@ -1,6 +1,6 @@
 """Multi-client trainer.py (issue 37, item 1): N tasks on 127.0.0.1, each its own client.
 
-N in {2, 3} tasks, K in {1, 2} cells, one replica per task (R = N), T = 2, on a model with
+(N, K) in {(2, 1), (3, 2)} tasks x cells, one replica per task (R = N), T = 2, on a model with
 seeded input noise, batch norm and dropout (tests/multi_client_models.py):
 - the chief's final weights equal one process trained on the same global batches: R=1, K=1,
   T = R x 2 (the same micro-batches; an independent computation: no collective, no shard) at
@@ -72,21 +72,21 @@ class MultiClientTest(tf.test.TestCase):
     def test_n_tasks_train_the_weights_of_one_process_each_on_its_shard(self):
         common = [f"--max_steps={STEPS}", f"--num_micro_batches={T}", "--deterministic",
                   "--model_params_override=train.save_interval_steps : 3"]
-        cases = {"n2_k2": (2, 2), "n3_k1": (3, 1)}
+        cases = {"n2_k1": (2, 1), "n3_k2": (3, 2)}
         os.makedirs(self._dir("reads"))
         clusters = {name: start_cluster(self._dir(name), n, common + [
             f"--num_replicas={n}", f"--num_cells={k}", "--cluster_mode=multi_client"],
-            env={READ_LOG_ENV: self._dir("reads")} if name == "n3_k1" else None)
+            env={READ_LOG_ENV: self._dir("reads")} if name == "n3_k2" else None)
             for name, (n, k) in cases.items()}
         singles = {
             # One device, the same micro-batches: R x T of them.
-            "n2_k2": Task(self._dir("single_n2"), common + [
+            "n2_k1": Task(self._dir("single_n2"), common + [
                 "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={2 * T}"], None),
-            "n3_k1": Task(self._dir("single_n3"), common + [
+            "n3_k2": Task(self._dir("single_n3"), common + [
                 "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={3 * T}"], None),
             # One process, the same mesh of R x K devices.
             "mesh": Task(self._dir("single_mesh"), common + [
-                "--num_replicas=2", "--num_cells=2"], None),
+                "--num_replicas=3", "--num_cells=2"], None),
         }
         for tasks in clusters.values():
             run_to_end(tasks)
@@ -102,10 +102,10 @@ class MultiClientTest(tf.test.TestCase):
                               "params.txt", "train"], sorted(os.listdir(self._dir(name))))
             self.assertEqual([f"task_{i}" for i in range(n)], sorted(os.listdir(
                 os.path.join(self._dir(name), "input_positions", f"{n}_tasks"))))
-        want, got = weights(self._dir("single_mesh")), weights(self._dir("n2_k2"))
+        want, got = weights(self._dir("single_mesh")), weights(self._dir("n3_k2"))
         for key in want:
             self.assertAllEqual(want[key], got[key], msg=key)
-        self._assert_each_task_read_its_shard(clusters["n3_k1"])
+        self._assert_each_task_read_its_shard(clusters["n3_k2"])
 
     def _assert_each_task_read_its_shard(self, tasks: list[Task]) -> None:
         n = len(tasks)
