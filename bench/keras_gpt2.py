@@ -1,0 +1,199 @@
+"""Keras path (issue 36 item 5): K=1 overhead and keras-hub GPT-2 pipelined on serial devices.
+
+1. Framework overhead: one `train_on_batch` step of `PipelinedModel` at K=1, T=1,
+   remat='never' against the plain `keras.Sequential` (as bench/keras_overhead.py's part 1:
+   same layers, weights, optimizer and batch, interleaved rounds), and the op types the
+   pipelined step's graph has beyond the plain one's. Goal: at most 1.05x.
+2. keras-hub GPT2CausalLM (built from a config, random weights) as a functional
+   `PipelinedModel` on serial logical devices (`serial_devices=True`: each device runs one
+   op at a time, like an accelerator): K=2 against K=1 at the same T, for T in {1, 4, 8},
+   all six timed side by side in interleaved rounds. The bubble-only bound of K=2 over K=1
+   at the same T (same micro-batches, same recomputation) is 2T/(T+1).
+
+Run (2 logical devices, intra-op 1, inter-op 2, TF_ENABLE_ONEDNN_OPTS=1 as set below):
+
+    .venv/bin/python bench/keras_gpt2.py --rounds=5 --iters=5 --record
+    .venv/bin/python bench/keras_gpt2.py --quick      # tiny sizes: checks that it runs
+
+`--record` writes bench/separate/17_keras_gpt2.md (the tables and the `Target:` lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"  # Before TensorFlow is imported; both sides alike.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_lib  # noqa: E402
+
+SEPARATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "separate")
+COMMAND = ".venv/bin/python bench/keras_gpt2.py --rounds=5 --iters=5 --record"
+
+
+def _args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="Tiny sizes, 1 round: a smoke run.")
+    parser.add_argument("--rounds", type=int, default=5, help="Interleaved timing rounds.")
+    parser.add_argument("--iters", type=int, default=5, help="Steps per timing sample.")
+    parser.add_argument("--overhead_rounds", type=int, default=15, help="Part 1 rounds.")
+    parser.add_argument("--overhead_iters", type=int, default=20, help="Part 1 steps/sample.")
+    parser.add_argument("--batch", type=int, default=32, help="GPT-2 batch size.")
+    parser.add_argument("--seq_len", type=int, default=128, help="GPT-2 sequence length.")
+    parser.add_argument("--layers", type=int, default=4, help="GPT-2 transformer blocks.")
+    parser.add_argument("--hidden", type=int, default=128, help="GPT-2 hidden size.")
+    parser.add_argument("--vocab", type=int, default=256, help="GPT-2 vocabulary size.")
+    parser.add_argument("--micro_batches", default="1,4,8", help="T values.")
+    parser.add_argument("--record", action="store_true",
+                        help="Write bench/separate/17_keras_gpt2.md.")
+    return parser.parse_args()
+
+
+def _overhead(args: argparse.Namespace) -> tuple[dict[str, list[float]], str]:
+    """Part 1's samples (seconds per step, per round) and the op types the pipelined step's
+    graph has more or fewer of than the plain one's."""
+    import collections
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from lingvo_lite.keras import PipelinedModel
+
+    def sequential() -> keras.Sequential:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((args.mlp_width,))]
+                                + [keras.layers.Dense(args.mlp_width, activation="relu")
+                                   for _ in range(args.mlp_layers)]
+                                + [keras.layers.Dense(10)])
+
+    models = {"keras_sequential": sequential(),
+              "pipelined_K1_T1": PipelinedModel(sequential(), num_cells=1,
+                                                num_micro_batches=1, remat="never")}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch, args.mlp_width)).astype(np.float32)
+    y = rng.integers(0, 10, size=args.batch).astype(np.int32)
+    ops = {}
+    for name, model in models.items():
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.train_on_batch(x, y)  # Builds the optimizer's slots.
+        graph = tf.function(lambda a, b, m=model: m.train_step((a, b)), autograph=False
+                            ).get_concrete_function(tf.constant(x), tf.constant(y)).graph
+        ops[name] = collections.Counter(op.type for op in graph.get_operations())
+    more = ops["pipelined_K1_T1"] - ops["keras_sequential"]
+    fewer = ops["keras_sequential"] - ops["pipelined_K1_T1"]
+    diff = (f"{sum(ops['keras_sequential'].values())} ops in the plain step's graph, "
+            f"{sum(ops['pipelined_K1_T1'].values())} in the pipelined one's (MatMul "
+            f"{ops['keras_sequential']['MatMul']} and {ops['pipelined_K1_T1']['MatMul']}); "
+            f"the pipelined step has more {dict(sorted(more.items()))} and fewer "
+            f"{dict(sorted(fewer.items()))}")
+    steps = {name: (lambda batch, m=model: m.train_on_batch(*batch), (x, y))
+             for name, model in models.items()}
+    return bench_lib.interleaved(steps, args.rounds, args.iters), diff
+
+
+def _gpt2_steps(args: argparse.Namespace) -> tuple[dict[str, float], str]:
+    import keras
+    import numpy as np
+
+    from lingvo_lite.keras import PipelinedModel
+    from model_params.keras_gpt2 import gpt2_causal_lm
+
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(1, args.vocab, (args.batch, args.seq_len)).astype("int32"),
+         "padding_mask": np.ones((args.batch, args.seq_len), "int32")}
+    y = rng.integers(0, args.vocab, (args.batch, args.seq_len)).astype("int32")
+    shapes = {"token_ids": (args.seq_len,), "padding_mask": (args.seq_len,)}
+    steps = {}
+    for t in (int(v) for v in args.micro_batches.split(",")):
+        for k in (1, 2):
+            keras.utils.set_random_seed(0)
+            model = PipelinedModel(
+                gpt2_causal_lm(args.vocab, args.seq_len, num_layers=args.layers,
+                               hidden_dim=args.hidden, num_heads=4),
+                input_shape=shapes, num_cells=k, num_micro_batches=t, remat="except_last",
+                serial_devices=True, cost_batch_size=args.batch)
+            model.compile(optimizer=keras.optimizers.SGD(1e-3, momentum=0.9),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            steps[f"K{k}_T{t}"] = (lambda batch, m=model: m.train_on_batch(*batch), (x, y))
+            if k == 2:
+                part = model.pipeline.partition
+                cut = model.pipeline.params.layers[part.cell_layer_ranges[0][1] - 1].name
+                partition = (f"the K=2 cut follows `{cut}`; the cells' shares of the cost "
+                             f"model's FLOPs: {', '.join(f'{s:.0%}' for s in part.cell_shares)}")
+    samples = bench_lib.interleaved(steps, args.rounds, args.iters)
+    return {name: bench_lib.median(values) for name, values in samples.items()}, partition
+
+
+def main() -> None:
+    args = _args()
+    if args.quick:
+        args.rounds, args.iters, args.overhead_iters = 1, 1, 2
+        args.batch, args.seq_len, args.layers, args.hidden, args.vocab = 8, 16, 2, 16, 32
+        args.micro_batches = "1,4"
+    bench_lib.setup(2, 1, 2)
+    overhead_args = argparse.Namespace(
+        rounds=args.overhead_rounds, iters=args.overhead_iters, mlp_layers=8, mlp_width=512,
+        batch=64)
+    if args.quick:
+        overhead_args.rounds, overhead_args.mlp_layers, overhead_args.mlp_width = 1, 2, 16
+    samples, op_diff = _overhead(overhead_args)
+    overhead = {name: bench_lib.median(v) for name, v in samples.items()}
+    fastest = {name: min(v) for name, v in samples.items()}
+    ratio = overhead["pipelined_K1_T1"] / overhead["keras_sequential"]
+    best_ratio = fastest["pipelined_K1_T1"] / fastest["keras_sequential"]
+    body = ["Part 1: one `train_on_batch` step of `PipelinedModel` at K=1, T=1, remat='never' "
+            "vs the same plain `keras.Sequential` (8 Dense 512 layers, batch 64, momentum SGD), "
+            f"interleaved rounds ({overhead_args.rounds} x {overhead_args.iters} steps); the "
+            "fastest round is the one least disturbed by other processes.", "",
+            "| step | median ms | ratio | fastest round ms | ratio |", "|---|---|---|---|---|"]
+    body += [f"| {name} | {overhead[name] * 1e3:.2f} | "
+             f"{overhead[name] / overhead['keras_sequential']:.3f} | {fastest[name] * 1e3:.2f} | "
+             f"{fastest[name] / fastest['keras_sequential']:.3f} |" for name in overhead]
+    body += ["", f"Where the rest goes: {op_diff}."]
+    gpt2, partition = _gpt2_steps(args)
+    body += ["", f"Part 2: keras-hub GPT2CausalLM from a config ({args.layers} blocks, hidden "
+             f"{args.hidden}, 4 heads, vocabulary {args.vocab}, sequence {args.seq_len}, batch "
+             f"{args.batch}) as a functional PipelinedModel, remat 'except_last', serial "
+             f"devices, momentum SGD; interleaved rounds ({args.rounds} x {args.iters} steps); "
+             f"{partition}.",
+             "", "| T | K=1 ms | K=2 ms | speedup K=2 over K=1 | bubble-only bound 2T/(T+1) "
+             "| share of the bound |", "|---|---|---|---|---|---|"]
+    shares = {}
+    for t in (int(v) for v in args.micro_batches.split(",")):
+        one, two = gpt2[f"K1_T{t}"], gpt2[f"K2_T{t}"]
+        bound = 2 * t / (t + 1)
+        shares[t] = (one / two, bound)
+        body.append(f"| {t} | {one * 1e3:.1f} | {two * 1e3:.1f} | {one / two:.2f}x | "
+                    f"{bound:.2f}x | {one / two / bound:.0%} |")
+    verdict = "**met**" if ratio <= 1.05 else "**missed**"
+    body += ["", f"Target: PipelinedModel K=1, T=1 train_on_batch within 1.05x of the plain "
+             f"keras.Sequential | {ratio:.3f}x (fastest rounds {best_ratio:.3f}x) | {verdict}"]
+    speedups = "/".join(f"{s:.2f}x" for s, _ in shares.values())
+    bounds = "/".join(f"{b:.2f}x" for _, b in shares.values())
+    ts = "/".join(str(t) for t in shares)
+    last = max(shares)
+    body.append(f"Target: keras-hub GPT-2 K=2 over K=1 on serial devices at T={ts} against "
+                f"the bubble-only bound {bounds} | {speedups} | "
+                f"{shares[last][0] / shares[last][1]:.0%} of the bound at T={last}")
+    print("\n".join(body))
+    print(json.dumps({"overhead_s": overhead, "gpt2_s": gpt2, "args": vars(args)}))
+    if args.record:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        load = tuple(round(v, 2) for v in os.getloadavg())
+        text = ["## 17. Keras: K=1 overhead and keras-hub GPT-2 pipelined (issue 36)", "",
+                f"Recorded {now:%Y-%m-%d %H:%M} UTC by its own script on {os.cpu_count()} "
+                f"cores (Python {platform.python_version()}, TF_ENABLE_ONEDNN_OPTS=1); load "
+                f"average at the end {load}.", "", *body, "", f"Reproduce: `{COMMAND}`"]
+        with open(os.path.join(SEPARATE, "17_keras_gpt2.md"), "w") as f:
+            f.write("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    main()
