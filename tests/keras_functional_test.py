@@ -382,3 +382,16 @@ def test_mixed_precision_fit_matches_plain(policy):
                                        atol=8e-3 * float(np.abs(np.asarray(w)).max()) + 1e-6)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_cost_shapes_keep_the_batch_after_a_shared_weight():
+    # The tied weight travels in the map (first dimension 8, not the batch): later nodes'
+    # shapes and costs still take the batch from the tensors they read.
+    from lingvo_lite.layers.composite import chain_meta
+
+    pipelined = PipelinedModel(tied_model(), num_cells=2, cost_batch_size=5)
+    p = pipelined.pipeline.params
+    metas = chain_meta(p.layers, p.input_shapes)
+    middle = metas[1].out_shapes[0]
+    assert list(middle["w_tied__kernel"]) == [8, 8] and list(middle["mid0"]) == [5, 8], middle
+    assert list(metas[len(p.layers) - 3].out_shapes[0]["tied_1"]) == [5, 8]

@@ -135,8 +135,17 @@ def _next_map(live: NestedMap, p: hyperparams.Params, outputs: list[Any],
     return out
 
 
+def _batch_of(p: hyperparams.Params, inputs: NestedMap) -> Any:
+    """The batch size of the tensors a node reads (the map also holds shared weights, whose
+    first dimension is not the batch)."""
+    reads = tensor_keys(p.call)
+    if reads:
+        return inputs[reads[0]][0]
+    return next(iter(inputs.values()))[0] if inputs else 1
+
+
 def _shape_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any]) -> NestedMap:
-    batch = next(iter(inputs.values()))[0] if inputs else 1
+    batch = _batch_of(p, inputs)
     drop = set(p.drop) | {mask_key(k) for k in p.drop}
     out = NestedMap({k: v for k, v in inputs.items() if k not in drop})
     for key in p.outputs:
@@ -202,7 +211,7 @@ def _build(config: Any, call: Any, specs: dict) -> Any:
 def _cost_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any],
                own_weights: bool) -> NestedMap:
     out = _shape_meta(p, inputs, extra)
-    batch = int(next(iter(inputs.values()))[0]) if inputs else 1
+    batch = int(_batch_of(p, inputs))
     d = dict(keras_layer=p.keras_layer, call=p.call, specs=p.specs, outputs=p.outputs)
     flops, params, non_trainable = _node_cost(json.dumps(d, sort_keys=True, default=str), batch)
     if not own_weights:
