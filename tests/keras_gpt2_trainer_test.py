@@ -95,3 +95,14 @@ def test_trains_evaluates_and_resumes():
     status, out, err = _main(model=MODEL, logdir=logdir, mode="train", max_steps=22)
     assert status == 0, err
     assert "Resuming training from step 20 to step 22." in out
+
+
+def test_lm_head_is_costed_as_a_matmul():
+    from lingvo_lite.layers.composite import chain_meta
+
+    params = model_registry.get_params(MODEL)
+    p = params.Task().network
+    metas = chain_meta(p.layers, p.input_shapes)
+    head = next(i for i, layer in enumerate(p.layers) if layer.name.endswith("token_embedding_1"))
+    vocab, hidden = len(char_lm_input.vocabulary()), 64
+    assert metas[head].flops == 2 * params.BATCH_SIZE * params.SEQ_LEN * hidden * vocab

@@ -170,7 +170,11 @@ def _node_cost(p_json: str, batch: int) -> tuple[float, int, int]:
         shapes = [[batch, *d["specs"][k][0]] for k in in_keys]
         out_shape = [batch, *d["specs"][d["outputs"][0]][0]]
         flops = None
-        if len(in_keys) == 1 and d["specs"][in_keys[0]][1].startswith("float"):
+        if d["call"]["kwargs"].get("reverse") is True and isinstance(
+                layer, keras.layers.Embedding):
+            # A tied embedding used as the output projection (GPT-2's LM head): a matmul.
+            flops = 2.0 * math.prod(out_shape) * shapes[0][-1]
+        elif len(in_keys) == 1 and d["specs"][in_keys[0]][1].startswith("float"):
             flops, _ = keras_flops.layer_flops(layer, shapes, out_shape)
         else:
             flops = keras_flops.formula_flops(layer, shapes, out_shape)
