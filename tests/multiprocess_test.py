@@ -1,12 +1,13 @@
-"""trainer.py over two processes on 127.0.0.1, each launched with its own TF_CONFIG.
+"""trainer.py over two processes on 127.0.0.1 in single-client mode, each with its own TF_CONFIG.
 
-(a) data parallel across processes: R=2 replicas of a K=2 pipeline, one replica per process;
-(b) one pipeline across processes: R=1, K=2, one cell per process.
-After the run the chief's checkpoint must equal a single-process run on the same global batch
-(the same micro-batches: R x T of them). Then faults: killing one process mid-run makes the
+One pipeline across processes: R=1, K=2, one cell per process (a replica that spans tasks runs
+single-client: the chief is the one client). After the run the chief's checkpoint must equal a
+single-process run on the same global batch. Then faults: killing one process mid-run makes the
 other exit non-zero with a line naming what was lost, within the bound; re-running both resumes
 from the last checkpoint and, with --deterministic, ends with the uninterrupted run's weights bit
-for bit. Only the processes started here are stopped, by PID.
+for bit. Data parallelism across processes (multi-client mode, the default when replicas fit on
+a task) is tested the same way in multi_client_test.py and multi_client_faults_test.py. Only the
+processes started here are stopped, by PID.
 """
 
 from __future__ import annotations
@@ -70,12 +71,8 @@ class MultiProcessTrainerTest(tf.test.TestCase):
             self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-6, msg=key)
 
     def test_two_processes_equal_a_single_process_run(self):
-        layouts = {
-            "replica_per_process": ["--num_replicas=2", "--num_cells=2"],
-            "cell_per_process": ["--num_replicas=1", "--num_cells=2"],
-        }
-        singles = {"replica_per_process": ["--num_cells=1", "--num_micro_batches=4"],
-                   "cell_per_process": ["--num_cells=1", "--num_micro_batches=2"]}
+        layouts = {"cell_per_process": ["--num_replicas=1", "--num_cells=2"]}
+        singles = {"cell_per_process": ["--num_cells=1", "--num_micro_batches=2"]}
         for name, flags in layouts.items():
             logdir = os.path.join(self.root, name)
             results = self._run_cluster(logdir, flags + ["--max_steps=6"])
@@ -93,7 +90,7 @@ class MultiProcessTrainerTest(tf.test.TestCase):
     def test_lost_process_stops_the_other_and_a_rerun_resumes_exactly(self):
         # --deterministic: the resumed run must end with the uninterrupted run's weights, bit
         # for bit (two uninterrupted runs of this configuration are bitwise equal).
-        flags = ["--num_replicas=2", "--num_cells=2", "--max_steps=300", "--deterministic",
+        flags = ["--num_replicas=1", "--num_cells=2", "--max_steps=300", "--deterministic",
                  "--model_params_override=train.save_interval_steps : 20"]
         uninterrupted = os.path.join(self.root, "uninterrupted")
         for status, out in self._run_cluster(uninterrupted, flags):
@@ -149,7 +146,7 @@ class ReadmeMeshCommandsTest(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, root, ignore_errors=True)
         env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
         env.pop("TF_CONFIG", None)
-        for block, logdir in zip(blocks, ("lingvo_lite_mesh", "lingvo_lite_2hosts")):
+        for block, logdir in zip(blocks, ("lingvo_lite_mesh", "lingvo_lite_3hosts")):
             script = block.replace(".venv/bin/python", sys.executable).replace(
                 f"/tmp/{logdir}", os.path.join(root, logdir))
             proc = subprocess.run(["bash", "-c", "set -e\n" + script], cwd=REPO, env=env,
