@@ -17,7 +17,7 @@ same window of steps once the run is warm:
 The model: a 3-layer MLP (512 -> 256 -> 256 -> 10) on synthetic inputs of 512 floats, so one
 replica's input shard (16 or 24 examples x 2 KiB) is of the order of its gradients (~0.8 MiB).
 
-Run: .venv/bin/python bench/multi_client.py  (writes bench/separate/multi_client.md)
+Run: .venv/bin/python bench/multi_client.py  (writes bench/separate/18_multi_client.md)
 """
 
 from __future__ import annotations
@@ -205,10 +205,10 @@ def main() -> None:
     body = render(results)
     print("\n".join(body))
     if not args.no_record:
-        path = os.path.join(ROOT, "bench", "separate", "multi_client.md")
+        path = os.path.join(ROOT, "bench", "separate", "18_multi_client.md")
         now = datetime.datetime.now(datetime.timezone.utc)
         load = tuple(round(x, 2) for x in os.getloadavg())
-        title = "17. Multi-client vs single-client: the chief's traffic and throughput (issue 37)"
+        title = "18. Multi-client vs single-client: the chief's traffic and throughput (issue 37)"
         with open(path, "w") as f:
             f.write("\n".join([
                 f"## {title}", "",

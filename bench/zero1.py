@@ -14,7 +14,7 @@ and each of unsharded / sharded, per device:
 * step time: the median over interleaved rounds (unsharded, sharded, unsharded, ...) of the
   mean time of a few steps, each waiting for every weight update.
 
-    python bench/zero1.py            # writes bench/separate/zero1.md
+    python bench/zero1.py            # writes bench/separate/19_zero1.md
 """
 
 from __future__ import annotations
@@ -147,12 +147,12 @@ def _mib(x: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(HERE, "separate", "zero1.md"))
+    parser.add_argument("--out", default=os.path.join(HERE, "separate", "19_zero1.md"))
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import device_memory
 
-    rows, summary = [], []
+    rows, summary, ratios = [], [], []
     with device_memory.Cluster(4) as cluster:
         for r, k in CONFIGS:
             got = {s: measure(cluster, r, k, s) for s in (False, True)}
@@ -169,6 +169,7 @@ def main() -> None:
                     f"{_mib(plain['resident'][d])} / {_mib(zero['resident'][d])} | "
                     f"{_mib(plain['peak'][d])} / {_mib(zero['peak'][d])} |")
             ratio = sum(got[True]["slot_bytes"]) / sum(got[False]["slot_bytes"])
+            ratios.append((r, k, ratio))
             saved = (sum(got[False]["resident"]) - sum(got[True]["resident"])) / (r * k)
             summary.append(f"R={r}, K={k}: slot bytes per device sharded / unsharded = "
                            f"{ratio:.3f} (1/R = {1 / r:.3f}); resident bytes per device "
@@ -192,13 +193,17 @@ def main() -> None:
         "| mesh | device | slot MiB unsharded | slot MiB sharded | ratio | predicted slot MiB "
         "| resident MiB (unsharded / sharded) | peak MiB (unsharded / sharded) |",
         "|---|---|---|---|---|---|---|---|",
-        *rows, "", *summary]
+        *rows, "", *summary, "",
+        "Target: ZeRO-1 optimizer-slot bytes per device at most 1/R of unsharded (Adam, "
+        + ", ".join(f"R={r} K={k}" for r, k, _ in ratios) + ") | "
+        + " / ".join(f"{x:.3f}x" for _, _, x in ratios) + " | **"
+        + ("met" if all(x <= 1 / r + 0.01 for r, _, x in ratios) else "missed") + "**"]
     now = datetime.datetime.now(datetime.timezone.utc)
     load = tuple(round(x, 2) for x in os.getloadavg())
-    text = ["## ZeRO-1: optimizer-slot memory per device, sharded vs not (issue 37)", "",
+    text = ["## 19. ZeRO-1: optimizer-slot memory per device, sharded vs not (issue 37)", "",
             f"Recorded {now:%Y-%m-%d %H:%M} UTC by its own script on {os.cpu_count()} cores "
             f"(Python {platform.python_version()}); load average at the end {load}.", "",
-            *body, "", "Reproduce: `python bench/zero1.py`"]
+            *body, "", "Reproduce: `.venv/bin/python bench/zero1.py`"]
     with open(args.out, "w") as f:
         f.write("\n".join(text) + "\n")
     print("\n".join(text))
