@@ -13,6 +13,13 @@ the same order (collectives.py).
 constructor; then `current()` tells every PipeliningLayer built afterwards how many
 processes share its mesh and which one this is.
 
+A lost task never hangs the others: `initialize` also starts this task's heartbeats (UDP on
+its port number, `heartbeats.py`, as trainer.py's tasks). A task that stops answering for
+LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line naming it and
+exit status 1, even while they wait inside a collective; so does a failed collective whose
+peer is gone. A task that ends normally says 'finished' at interpreter exit, so tasks that
+finish at slightly different times end with their own status.
+
 Example (every task of the cluster runs these lines with its own `index`):
 
     group = process_group.initialize(["127.0.0.1:2222", "127.0.0.1:2223"], index=0,
@@ -23,14 +30,20 @@ Example (every task of the cluster runs these lines with its own `index`):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import sys
+import time
 from collections.abc import Mapping, Sequence
+
+from lingvo_lite.pipeline import heartbeats as heartbeats_lib
 
 __all__ = ["current", "from_tf_config", "initialize", "ProcessGroup"]
 
 JOB = "worker"
+PROGRAM = "lingvo_lite"  # The prefix of this module's one-line errors.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,10 @@ class ProcessGroup:
     def is_chief(self) -> bool:
         return self.index == 0
 
+    @property
+    def task_index(self) -> int:
+        return self.index
+
 
 _current: ProcessGroup | None = None
 
@@ -59,7 +76,8 @@ def current() -> ProcessGroup | None:
 
 def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | None = None,
                intra_op_threads: int | None = None,
-               inter_op_threads: int | None = None) -> ProcessGroup:
+               inter_op_threads: int | None = None,
+               heartbeats: bool = True) -> ProcessGroup:
     """Starts this task's collective server; call before any TensorFlow op runs.
 
     The task's devices must be configured first (the server takes them as they are then), so
@@ -70,16 +88,15 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
       index: this process's task index (0: the chief, which also leads the groups).
       num_logical_cpus: logical CPU devices of this task (None: TensorFlow's one CPU).
       intra_op_threads, inter_op_threads: thread-pool sizes (None: TensorFlow's).
+      heartbeats: watch the other tasks (module docstring); skipped when this process already
+        runs heartbeats (trainer.py watches its tasks itself).
 
     Raises:
-      RuntimeError: TensorFlow already ran an op (collectives can no longer be configured).
+      RuntimeError: TensorFlow already ran an op (collectives can no longer be configured),
+        or this task's port is taken (heartbeats.AddressInUseError).
       ValueError: `index` is out of range.
     """
     global _current
-    import tensorflow as tf
-    from tensorflow.core.protobuf import tensorflow_server_pb2
-    from tensorflow.python.eager import context
-
     addresses = tuple(addresses)
     if not 0 <= index < len(addresses):
         raise ValueError(f"task index {index} is out of range for {len(addresses)} tasks.")
@@ -88,6 +105,10 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
         if _current != group:
             raise RuntimeError(f"process_group.initialize was already called with {_current}.")
         return _current
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
     ctx = context.context()
     try:
         if num_logical_cpus:
@@ -107,6 +128,8 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
             "process_group.initialize must run before TensorFlow executes any op (as "
             "MultiWorkerMirroredStrategy must be created first); call it at program start, "
             "before configure_logical_cpus and before building a model.") from None
+    if heartbeats and heartbeats_lib.channel() is None:
+        _start_heartbeats(group)
     spec = tf.train.ClusterSpec({JOB: list(addresses)})
     port = int(addresses[index].rpartition(":")[2])
     ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
@@ -122,6 +145,7 @@ def from_tf_config(environ: Mapping[str, str] | None = None,
 
     The tasks are the 'chief' job's (if any) then the 'worker' job's; None when TF_CONFIG is
     unset or names one task. trainer.py validates TF_CONFIG more thoroughly (cluster.py).
+    `device_options` are `initialize`'s keyword arguments (num_logical_cpus, ..., heartbeats).
     """
     environ = os.environ if environ is None else environ
     text = environ.get("TF_CONFIG", "").strip()
@@ -134,3 +158,56 @@ def from_tf_config(environ: Mapping[str, str] | None = None,
         return None
     offset = len(cluster.get("chief", [])) if task.get("type") == JOB else 0
     return initialize(addresses, offset + int(task.get("index", 0)), **device_options)
+
+
+# TensorFlow's errors of a collective whose peer failed (as trainer.py's multi-client mode).
+_PEER_ERRORS = ("UnavailableError", "AbortedError", "CancelledError", "DeadlineExceededError",
+                "InternalError")
+
+
+def _lost_message(group: ProcessGroup, task: int, address: str, what: str = "") -> str:
+    beats = heartbeats_lib.channel()
+    if not what and beats is not None and beats.last_answer(task) is None:
+        what = f"it did not start within {heartbeats_lib.START_TIMEOUT_S:.0f} s"
+    what = what or f"it stopped answering for {heartbeats_lib.LOST_AFTER_S:.0f} s"
+    return (f"{PROGRAM}: error: task {group.index} lost task {task} ({address}) of the "
+            f"cluster: {what}; rerun every task.")
+
+
+def _start_heartbeats(group: ProcessGroup) -> None:
+    """Heartbeats, the watch that ends this process when a peer is lost, and the exit hooks."""
+    beats = heartbeats_lib.open_channel(group, program=PROGRAM)
+    watch = heartbeats_lib.PeerWatch(
+        group, lambda t, address: heartbeats_lib.exit_now(_lost_message(group, t, address)),
+        start_timeout_s=heartbeats_lib.START_TIMEOUT_S).start()
+    previous_hook = sys.excepthook
+    failed: list[bool] = []
+
+    def excepthook(kind, value, traceback) -> None:
+        # A collective that failed because a peer died: name the peer (bounded), no traceback.
+        failed.append(True)
+        beats.set_state("failed")
+        deadline = time.monotonic() + heartbeats_lib.LOST_AFTER_S + 5.0
+        while time.monotonic() < deadline:
+            for t in watch.peers:
+                if watch.finished(t):
+                    continue
+                address = group.addresses[t]
+                if (not heartbeats_lib.reachable(address, timeout=0.5)
+                        or watch.stale(t) > 3 * heartbeats_lib.HEARTBEAT_INTERVAL_S):
+                    heartbeats_lib.exit_now(_lost_message(
+                        group, t, address, "it is gone (a collective with it failed and it "
+                        "no longer answers)"))
+            if type(value).__name__ not in _PEER_ERRORS:
+                break  # This task's own error: checked once.
+            time.sleep(1.0)
+        previous_hook(kind, value, traceback)
+
+    def finish() -> None:
+        watch.stop()
+        if not failed:
+            beats.set_state(heartbeats_lib.FINISHED)
+            beats.ping_now()
+
+    sys.excepthook = excepthook
+    atexit.register(finish)

@@ -22,8 +22,9 @@ tasks puts one whole replica on each host (the common case: data parallelism acr
 R=1, K=2 on two tasks puts one cell on each (a model too big for one host's devices).
 
 Faults never hang. Besides its gRPC server (TCP port P of its address) every task answers
-heartbeats on UDP port P (`Channel`, started before TensorFlow is imported): every second it
-sends each other task a ping carrying its TF_CONFIG, and answers theirs. So
+heartbeats on UDP port P (`Channel`, pipeline/heartbeats.py, started before TensorFlow is
+imported): every second it sends each other task a ping carrying its TF_CONFIG, and answers
+theirs. So
 - a task that does not answer for `LOST_AFTER_S` seconds is lost, whether dead or alive but
   stuck (SIGSTOP, a hung host: its kernel still accepts TCP connections, a TCP probe would
   call it alive); the run ends with one line naming it (exit status 1), and re-running every
@@ -37,25 +38,34 @@ sends each other task a ping carrying its TF_CONFIG, and answers theirs. So
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 
+from lingvo_lite.pipeline import heartbeats
+
+# The heartbeats live in pipeline/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
+from lingvo_lite.pipeline.heartbeats import (  # noqa: F401 -- this module's names too.
+    ABORT_ACK_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+    LOST_AFTER_S,
+    MAX_COMMAND_BYTES,
+    Channel,
+    before_exit,
+    channel,
+    command_mismatch_message,
+    exit_now,
+    mismatch_message,
+    reachable,
+)
 from lingvo_lite.training.options import UsageError
 
 __all__: list[str] = []
 
 JOB = "worker"
-LOST_AFTER_S = 15.0  # A task unreachable this long is lost (the whole run stops within ~20 s).
 CHIEF_START_TIMEOUT_S = 120.0  # How long a worker waits for the chief to come up.
-HEARTBEAT_INTERVAL_S = 1.0
-MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
-ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,174 +143,6 @@ def from_environment(environ: Mapping[str, str] | None = None) -> ClusterConfig 
     return ClusterConfig(tuple(addresses), offset + task["index"])
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-class Channel:
-    """This task's heartbeats: a UDP socket on its port number, pinging and answering peers.
-
-    Messages are JSON: {"kind": ping | pong | abort | ack | duplicate, "index": sender's task
-    index, "addresses": sender's TF_CONFIG list, "pid": ..., "reason": ...}. Each task pings
-    every other task every HEARTBEAT_INTERVAL_S and answers every ping with a pong, so
-    `last_answer(t)` is when task t last proved that its process runs. A ping or pong whose
-    TF_CONFIG differs from this task's, or that claims this task's own index, ends the process
-    (`exit_now`) with one line; so does an abort (a peer that could not start).
-    """
-
-    def __init__(self, config: ClusterConfig, sock: socket.socket,
-                 command: list[str] | None = None) -> None:
-        self.config = config
-        self._sock = sock
-        self._answers: dict[int, float] = {}
-        self._states: dict[int, str] = {}
-        if command is not None and len(json.dumps(command)) > MAX_COMMAND_BYTES:
-            # Long overrides: a digest keeps every heartbeat in one datagram.
-            digest = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
-            command = [f"(flags with sha256 {digest})"]
-        self._acks: set[int] = set()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._message = {"index": config.task_index, "addresses": list(config.addresses),
-                         "pid": os.getpid(), "command": command, "state": "running"}
-        threading.Thread(target=self._receive, name="cluster-heartbeat-rx", daemon=True).start()
-        threading.Thread(target=self._ping_loop, name="cluster-heartbeat-tx",
-                         daemon=True).start()
-
-    def peers(self) -> list[int]:
-        return [t for t in range(self.config.num_tasks) if t != self.config.task_index]
-
-    def last_answer(self, task: int) -> float | None:
-        """time.monotonic() of task's last pong, None if it never answered."""
-        with self._lock:
-            return self._answers.get(task)
-
-    def set_state(self, state: str) -> None:
-        """What this task tells the others in its heartbeats, e.g. 'finished' (multi-client)."""
-        with self._lock:
-            self._message = dict(self._message, state=state)
-
-    def ping_now(self) -> None:
-        """Pings every other task at once (e.g. to tell a new state before exiting)."""
-        for t in self.peers():
-            self._send("ping", self.config.addresses[t])
-
-    def peer_state(self, task: int) -> str | None:
-        """The state task last reported ('running', 'finished'), None if never heard."""
-        with self._lock:
-            return self._states.get(task)
-
-    def _send(self, kind: str, address: tuple[str, int] | str, **extra) -> None:
-        target = _split(address) if isinstance(address, str) else address
-        with self._lock:
-            message = dict(self._message, kind=kind, **extra)
-        data = json.dumps(message).encode()
-        try:
-            self._sock.sendto(data, target)
-        except OSError:
-            pass  # Unreachable host or an ICMP error: the peer counts as not answering.
-
-    def _ping_loop(self) -> None:
-        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
-            for t in self.peers():
-                self._send("ping", self.config.addresses[t])
-
-    def _receive(self) -> None:
-        while not self._closed.is_set():
-            try:
-                data, sender = self._sock.recvfrom(65536)
-                message = json.loads(data.decode())
-                index, addresses = int(message["index"]), list(message["addresses"])
-                kind = message["kind"]
-            except (OSError, ValueError, KeyError, TypeError):
-                if self._closed.is_set():
-                    return
-                continue
-            pid = message.get("pid")
-            where = (addresses[index] if 0 <= index < len(addresses) else f"{sender[0]}")
-            if kind == "probe":  # `_who_serves` from a process that could not bind our port.
-                self._send("pong", sender)
-                continue
-            if kind == "ack":
-                with self._lock:
-                    self._acks.add(index)
-                continue
-            if kind == "abort":
-                self._send("ack", sender)
-                exit_now(f"trainer.py: error: task {index} ({where}) of the cluster could not "
-                         f"start: {message.get('reason')} Fix it, then rerun every process.")
-            if kind == "duplicate":
-                exit_now(f"trainer.py: error: another trainer (PID {pid}) was started as task "
-                         f"{index} ({where}) too: two processes have TF_CONFIG task index "
-                         f"{index}; give each process its own index, then rerun every process.")
-            if addresses != list(self.config.addresses):
-                if kind == "ping":
-                    self._send("pong", sender)  # Lets the sender report the mismatch too.
-                exit_now(mismatch_message(self.config, index, addresses, pid))
-            if index == self.config.task_index:
-                if kind == "ping":
-                    self._send("duplicate", sender)
-                exit_now(f"trainer.py: error: another trainer (PID {pid}) also runs as task "
-                         f"{index} ({where}): two processes have TF_CONFIG task index {index}; "
-                         "give each process its own index, then rerun every process.")
-            theirs, ours = message.get("command"), self._message["command"]
-            if theirs is not None and ours is not None and theirs != ours:
-                if kind == "ping":
-                    self._send("pong", sender)  # Lets the sender report the mismatch too.
-                exit_now(command_mismatch_message(self.config, index, ours, theirs))
-            with self._lock:
-                self._states[index] = str(message.get("state"))
-            if kind == "ping":
-                self._send("pong", sender)
-            elif kind == "pong":
-                with self._lock:
-                    self._answers[index] = time.monotonic()
-
-    def abort(self, reason: str) -> None:
-        """Tells every other task that this one cannot start; waits (bounded) for their acks."""
-        deadline = time.monotonic() + ABORT_ACK_TIMEOUT_S
-        while time.monotonic() < deadline:
-            with self._lock:
-                missing = [t for t in self.peers() if t not in self._acks]
-            if not missing:
-                return
-            for t in missing:
-                self._send("abort", self.config.addresses[t], reason=reason)
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-
-
-def mismatch_message(config: ClusterConfig, index: int, addresses: list[str],
-                     pid: object) -> str:
-    return (f"trainer.py: error: TF_CONFIG differs between the processes: this one (task "
-            f"{config.task_index}) lists {list(config.addresses)}, task {index} (PID {pid}) "
-            f"lists {addresses}; give every process the same 'cluster' list and its own "
-            "'task' index, then rerun every process.")
-
-
-def command_mismatch_message(config: ClusterConfig, index: int, ours: list[str],
-                             theirs: list[str]) -> str:
-    only_ours = [f for f in ours if f not in theirs] or ["(none)"]
-    only_theirs = [f for f in theirs if f not in ours] or ["(none)"]
-    return (f"trainer.py: error: the trainer.py command differs between the processes: this "
-            f"one (task {config.task_index}) has {' '.join(only_ours)}, task {index} has "
-            f"{' '.join(only_theirs)}; run the same command (the same flags) in every process, "
-            "each with its own TF_CONFIG, then rerun every process.")
-
-
-_channel: Channel | None = None
-_stderr_fd: int | None = None  # A copy of fd 2 taken by `open_channel`, for `exit_now`.
-
-
-def channel() -> Channel | None:
-    """The channel `open_channel` started in this process, if any."""
-    return _channel
-
-
 def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Channel:
     """Claims this task's address (UDP and TCP port P) and starts its heartbeats.
 
@@ -312,74 +154,16 @@ def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Cha
     Raises:
       UsageError: the port is taken (the message names who holds it, when it is a trainer).
     """
-    global _channel, _stderr_fd
-    if _stderr_fd is None:
-        _stderr_fd = os.dup(2)
-    address = config.addresses[config.task_index]
-    host, port = _split(address)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        sock.bind(("", port))
-    except OSError as e:
-        sock.close()
-        holder = _who_serves(address)
-        if holder is not None and holder.get("index") == config.task_index:
-            _tell_duplicate(address, config)
-            raise UsageError(
-                f"TF_CONFIG task {config.task_index} ({address}) is already served by another "
-                f"trainer (PID {holder.get('pid')}): two processes have task index "
-                f"{config.task_index}; give each process its own index, then rerun every "
-                "process.") from None
-        if holder is not None and holder.get("addresses") != list(config.addresses):
-            raise UsageError(mismatch_message(config, holder.get("index"),
-                                              holder.get("addresses"), holder.get("pid")))
-        raise UsageError(
-            f"TF_CONFIG task {config.task_index}'s address {address}: UDP port {port} (this "
-            f"task's heartbeats, beside gRPC's TCP port {port}) is in use by another program "
-            f"({e.strerror}); free it or give this task another port in every process's "
-            "TF_CONFIG.") from None
-    _channel = Channel(config, sock, command)
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
-    try:
-        probe.bind(("", port))
-    except OSError as e:
-        raise UsageError(
-            f"TF_CONFIG task {config.task_index}'s address {address} is in use by another "
-            f"program (TCP port {port}: {e.strerror}); free it or give this task another port "
-            "in every process's TF_CONFIG.") from None
-    finally:
-        probe.close()
-    return _channel
-
-
-def _who_serves(address: str, timeout: float = 2.0) -> dict | None:
-    """Pings `address` from a fresh socket: the answering trainer's message, or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.sendto(json.dumps({"kind": "probe", "index": -1, "addresses": [],
-                                    "pid": os.getpid()}).encode(), _split(address))
-            data, _ = sock.recvfrom(65536)
-            return json.loads(data.decode())
-        except (OSError, ValueError):
-            return None
-
-
-def _tell_duplicate(address: str, config: ClusterConfig) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.sendto(json.dumps({"kind": "duplicate", "index": config.task_index,
-                                    "addresses": list(config.addresses),
-                                    "pid": os.getpid()}).encode(), _split(address))
-        except OSError:
-            pass
+        return heartbeats.open_channel(config, command)
+    except heartbeats.AddressInUseError as e:
+        raise UsageError(str(e)) from None
 
 
 def announce_failure(message: str) -> None:
     """Setup failed in a task of a cluster: tell the others (bounded), so they do not wait."""
-    if _channel is not None:
-        _channel.abort(message.removeprefix("trainer.py: error: "))
+    if channel() is not None:
+        channel().abort(message.removeprefix("trainer.py: error: "))
 
 
 def start_server(config: ClusterConfig, devices_per_task: int) -> None:
@@ -413,15 +197,6 @@ def start_server(config: ClusterConfig, devices_per_task: int) -> None:
 _servers: list = []  # Servers live as long as the process.
 
 
-def reachable(address: str, timeout: float = 2.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 class Watchdog:
     """Checks every second that the other tasks' servers answer; calls `on_lost` if one does not.
 
@@ -451,11 +226,11 @@ class Watchdog:
         now = time.monotonic()
         # A task is first given start_timeout_s to come up, then lost_after_s at every outage.
         last_seen = {t: now + self._start_timeout_s for t in self._tasks}
-        heartbeats = channel()
+        beats = channel()
         while not self._stop.wait(1.0):
             for t in self._tasks:
                 address = self._config.addresses[t]
-                answered = heartbeats.last_answer(t) if heartbeats is not None else None
+                answered = beats.last_answer(t) if beats is not None else None
                 if answered is not None:
                     # It answers heartbeats: only they count (a stopped process's kernel still
                     # accepts TCP connections). Seen once: the start-up grace is over.
@@ -466,33 +241,3 @@ class Watchdog:
                     if not self._stop.is_set():
                         self._on_lost(t, address)
                     return
-
-
-_before_exit: list[Callable[[], None]] = []
-
-
-def before_exit(fn: Callable[[], None]) -> None:
-    """Registers `fn` (e.g. releasing the logdir lock) to run in `exit_now` before the exit."""
-    _before_exit.append(fn)
-
-
-def exit_now(message: str, status: int = 1) -> None:
-    """Prints one line and ends the process at once (threads blocked in TensorFlow included).
-
-    Runs what `before_exit` registered first (its errors are ignored: the process is ending).
-    """
-    for fn in _before_exit:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 -- best effort on the way out.
-            pass
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    if _stderr_fd is not None:
-        # The terminal's stderr, also while trainer.py captures fd 2 (importing TensorFlow).
-        os.write(_stderr_fd, (message + "\n").encode())
-    else:
-        print(message, file=sys.stderr, flush=True)
-    os._exit(status)

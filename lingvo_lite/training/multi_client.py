@@ -16,7 +16,7 @@ Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tas
   evaluations; each task saves its input position at the checkpoint steps
   (`input_positions.py`), so a rerun resumes exactly.
 
-Faults reuse the cluster's UDP heartbeats (`cluster.Channel`): a task that stops answering
+Faults reuse the cluster's UDP heartbeats (`pipeline/heartbeats.py`): a task that stops answering
 for LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line; a task
 started late is waited for (with a message, up to CHIEF_START_TIMEOUT_S); a task whose
 TF_CONFIG or trainer.py flags differ is refused in one line. A run ends when every task has
@@ -35,11 +35,11 @@ Example (README, "Running on several devices and hosts"): three tasks on one mac
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from lingvo_lite.pipeline import heartbeats
 from lingvo_lite.training import cluster as cluster_lib
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import UsageError
@@ -203,41 +203,15 @@ def lost_message(cluster: cluster_lib.ClusterConfig, task: int, logdir: str) -> 
             "Rerun every process with the same command to resume from the last checkpoint.")
 
 
-class _Watch:
+class _Watch(heartbeats.PeerWatch):
     """Ends this task with one line when another stops answering for LOST_AFTER_S."""
 
     def __init__(self, cluster: cluster_lib.ClusterConfig, logdir: str) -> None:
+        super().__init__(cluster, self._lost)
         self.cluster, self.logdir = cluster, logdir
-        self._stop = threading.Event()
-        self._seen = {t: time.monotonic() for t in range(cluster.num_tasks)
-                      if t != cluster.task_index}
 
-    @property
-    def peers(self) -> list[int]:
-        return list(self._seen)
-
-    def start(self) -> _Watch:
-        threading.Thread(target=self._run, name="multi-client-watch", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def stale(self, task: int) -> float:
-        """Seconds since `task` last proved alive (heartbeat, else a TCP connection)."""
-        channel = cluster_lib.channel()
-        answered = channel.last_answer(task) if channel is not None else None
-        if answered is not None:
-            self._seen[task] = max(self._seen[task], answered)
-        elif cluster_lib.reachable(self.cluster.addresses[task], timeout=0.5):
-            self._seen[task] = time.monotonic()
-        return time.monotonic() - self._seen[task]
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            for t in self._seen:
-                if self.stale(t) > cluster_lib.LOST_AFTER_S and not self._stop.is_set():
-                    cluster_lib.exit_now(lost_message(self.cluster, t, self.logdir))
+    def _lost(self, task: int, address: str) -> None:
+        cluster_lib.exit_now(lost_message(self.cluster, task, self.logdir))
 
 
 def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out: TextIO,
