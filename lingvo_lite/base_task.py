@@ -24,6 +24,7 @@ from lingvo_lite import (
     warm_start,
 )
 from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.pipeline import process_group
 
 __all__ = ["BaseTask", "scalar_outputs"]
 
@@ -134,8 +135,10 @@ class BaseTask(base_layer.BaseLayer):
         if tp.shard_optimizer_state:
             replicas = [[v for v in theta.Flatten() if isinstance(v, tf.Variable) and v.trainable]
                         for theta in self.replica_thetas()]
-            sharded_optimizer.check_shardable(self._optimizer, len(replicas),
-                                              tf.distribute.has_strategy())
+            group = process_group.current()
+            sharded_optimizer.check_shardable(
+                self._optimizer, len(replicas) * (1 if group is None else group.num_processes),
+                tf.distribute.has_strategy())
             self._sharded = sharded_optimizer.ShardedOptimizer(self._optimizer, replicas)
         else:
             self._optimizer.create_slots(self.trainable_vars())
@@ -253,6 +256,11 @@ class BaseTask(base_layer.BaseLayer):
         with fprop_context.fprop_context(training=False, updates=None):
             out = self.FProp(self.theta, input_batch)
         return scalar_outputs(out)
+
+    @property
+    def sharded_state(self) -> sharded_optimizer.ShardedOptimizer | None:
+        """The ZeRO-1 optimizer state (`train.shard_optimizer_state`), else None."""
+        return self._sharded
 
     def checkpoint_variables(self) -> dict[str, tf.Variable]:
         """Every variable to save, keyed by a stable path (independent of the partition)."""

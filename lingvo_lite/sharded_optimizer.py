@@ -21,6 +21,12 @@ saved as the whole tensor (the shards concatenated in rank order, padding droppe
 key an unsharded run uses, and restored by slicing each replica's shard from the whole tensor.
 A run resumes with any R, sharded or not.
 
+Multi-client (`process_group`): the group spans every task's replicas (R_local x N shards); a
+replica's rank is its place among every task's device names ('/job:worker/replica:0/task:i/
+...', task-major), where `CollectiveGatherV2` puts its piece. At each checkpoint every task
+calls `gather_slots` (a collective) so that the chief saves the whole slots; on restore each
+task slices its own replicas' shards.
+
 Example (2 replicas on 2 logical CPUs, created before TensorFlow starts):
 
     import tensorflow as tf
@@ -41,7 +47,7 @@ Example (2 replicas on 2 logical CPUs, created before TensorFlow starts):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -55,18 +61,12 @@ __all__ = ["ShardedOptimizer", "check_shardable"]
 
 def check_shardable(optimizer: optimizers.BaseOptimizer, num_replicas: int,
                     under_strategy: bool = False) -> None:
-    """Raises a one-line ValueError when `train.shard_optimizer_state` cannot be honoured."""
+    """Raises a one-line ValueError when `train.shard_optimizer_state` cannot be honoured
+    (`num_replicas`: the replicas of all processes)."""
     if under_strategy:
         raise ValueError(
             "train.shard_optimizer_state=True under a tf.distribute strategy (TPU): the "
             "strategy keeps the optimizer state; drop --shard_optimizer_state.")
-    group = process_group.current()
-    if group is not None and group.num_processes > 1:
-        raise ValueError(
-            "train.shard_optimizer_state=True in a multi-client cluster: saving the sharded "
-            "slots needs every task's shards gathered at each checkpoint, which multi-client "
-            "runs do not do yet; use --cluster_mode=single_client or drop "
-            "--shard_optimizer_state.")
     if num_replicas < 2:
         raise ValueError(
             f"train.shard_optimizer_state=True with {num_replicas} replica: there is nothing to "
@@ -77,6 +77,20 @@ def check_shardable(optimizer: optimizers.BaseOptimizer, num_replicas: int,
             f"train.shard_optimizer_state=True: optimizer {type(optimizer).__name__} has no "
             "element-wise update (update_shard), so a replica cannot update its slice of a "
             "weight alone; use SGD, Adam or RMSProp, or drop --shard_optimizer_state.")
+
+
+def _global_ranks(devices: Sequence[str],
+                  processes: process_group.ProcessGroup | None) -> list[int]:
+    """The collective ranks of this process's `devices` in the group spanning every task,
+    each of which holds the same devices under its own '/job:worker/replica:0/task:i'."""
+    if processes is None:
+        return collectives.collective_ranks(devices)
+    names = [tf.DeviceSpec.from_string(d).replace(
+        job=process_group.JOB, replica=0, task=t).to_string()
+        for t in range(processes.num_processes) for d in devices]
+    ranks = collectives.collective_ranks(names)
+    start = processes.index * len(devices)
+    return ranks[start:start + len(devices)]
 
 
 class _Weight:
@@ -104,13 +118,22 @@ class _FullSlot(trackable.Trackable):
     """One slot of one weight, saved and restored as the whole (unsharded) tensor."""
 
     def __init__(self, weight: _Weight, shards: list[tf.Variable], ranks: list[int],
-                 num_shards: int, scalar: bool, fill: float) -> None:
+                 num_shards: int, scalar: bool, fill: float,
+                 gathered: Callable[[], tf.Tensor | None]) -> None:
         self._weight, self._shards, self._ranks = weight, shards, ranks
         self._num_shards, self._scalar, self._fill = num_shards, scalar, fill
+        self._gathered = gathered
 
     def _whole(self) -> tf.Tensor:
         if self._scalar:
             return tf.identity(self._shards[0])
+        if self._num_shards != len(self._shards):  # Other processes hold the other shards.
+            whole = self._gathered()
+            if whole is None:
+                # TensorFlow also serializes to learn the shape and dtype when it restores.
+                # Only a save without gather_slots() (a bug) writes these NaNs.
+                return tf.fill(self._weight.shape, tf.constant(math.nan, self._weight.dtype))
+            return whole
         by_rank = sorted(zip(self._ranks, self._shards), key=lambda pair: pair[0])
         with tf.device(self._shards[0].device):
             flat = tf.concat([s.read_value() for _, s in by_rank], axis=0)
@@ -141,10 +164,11 @@ class ShardedOptimizer:
       optimizer: the task's optimizer (its rules; it keeps no slots itself).
       replica_variables: `replica_variables[r][i]`, local replica r's copy of trainable weight
         i, each replica's copies on its own devices (`task.replica_thetas()`).
-      group_size: replicas in all processes (default: the local ones, one process).
+      group_size: replicas in all processes (default: the local ones times the processes
+        of `process_group.current()`, whose tasks all build the same replicas).
       ranks: `ranks[r]`, local replica r's collective rank among all replicas (default:
-        `collectives.collective_ranks` of the local devices; the ranks must be the same for
-        every weight's device group).
+        `collectives.collective_ranks` of every process's devices, see `_global_ranks`; the
+        ranks must be the same for every weight's device group).
     """
 
     def __init__(self, optimizer: optimizers.BaseOptimizer,
@@ -152,7 +176,12 @@ class ShardedOptimizer:
                  group_size: int | None = None, ranks: Sequence[int] | None = None) -> None:
         self._optimizer = optimizer
         local = len(replica_variables)
-        self.num_shards = group_size or local
+        self._processes = process_group.current()
+        if self._processes is not None and self._processes.num_processes < 2:
+            self._processes = None
+        self.num_shards = group_size or local * (
+            1 if self._processes is None else self._processes.num_processes)
+        self._gathered: dict[tuple[int, str], tf.Tensor] = {}
         check_shardable(optimizer, self.num_shards)
         self._weights = [_Weight([replica_variables[r][i] for r in range(local)],
                                  self.num_shards)
@@ -170,7 +199,7 @@ class ShardedOptimizer:
             if key not in self._groups:
                 self._groups[key] = collectives.AllGather(list(devices), self.num_shards)
                 self._member_ranks[devices] = (self._ranks if self._ranks is not None
-                                               else collectives.collective_ranks(devices))
+                                               else _global_ranks(devices, self._processes))
             self._group_of.append(key)
         scalar = optimizer._scalar_slots()
         self._slots: list[list[dict[str, tf.Variable]]] = []  # [weight][local replica]
@@ -243,10 +272,6 @@ class ShardedOptimizer:
     def checkpoint_slots(self) -> dict[str, trackable.Trackable]:
         """The slots in the unsharded layout, keyed like `optimizer.slot_variables()`
         ('<replica 0's variable name>/<slot name>')."""
-        if self._weights and self.num_shards != len(self._weights[0].copies):
-            raise ValueError(
-                "Saving sharded optimizer slots of replicas in other processes needs their "
-                "shards gathered first; checkpoint from a run whose replicas are all local.")
         scalar = self._optimizer._scalar_slots()
         inits = self._optimizer._slot_names()
         out = {}
@@ -254,8 +279,41 @@ class ShardedOptimizer:
             for name in sorted(inits):
                 out[f"{w.copies[0].name}/{name}"] = _FullSlot(
                     w, [s[name] for s in self._slots[i]], self._ranks_of(i), self.num_shards,
-                    name in scalar, inits[name])
+                    name in scalar, inits[name], lambda key=(i, name): self._gathered.get(key))
         return dict(sorted(out.items()))
+
+    def gather_slots(self, timeout_seconds: float = 0.0) -> None:
+        """Gathers every process's slot shards so that the next save writes the whole slots.
+
+        A collective: every process of the group calls it at the same point (multi-client:
+        at each checkpoint step, before the chief saves); `release_gathered` frees them.
+        `timeout_seconds` > 0 bounds the wait for the other processes. No-op in one process.
+        """
+        self._gathered = {}
+        if not self._weights or self.num_shards == len(self._weights[0].copies):
+            return
+        names = sorted(set(self._optimizer._slot_names()) - set(self._optimizer._scalar_slots()))
+        for key, gather in self._groups.items():
+            members = [i for i in range(len(self._weights)) if self._group_of[i] == key]
+            packed = []
+            for r, device in enumerate(gather.devices):
+                with tf.device(device):
+                    packed.append(tf.concat([tf.convert_to_tensor(self._slots[i][r][name])
+                                             for i in members for name in names], axis=0))
+            sizes = [self._weights[i].shard_size for i in members for _ in names]
+            with tf.device(gather.devices[0]):
+                whole = gather(packed, timeout_seconds=timeout_seconds)[0]
+                columns = tf.split(tf.reshape(whole, [self.num_shards, sum(sizes)]), sizes,
+                                   axis=1)
+                for (i, name), column in zip([(i, n) for i in members for n in names],
+                                             columns):
+                    w = self._weights[i]
+                    self._gathered[(i, name)] = tf.reshape(
+                        tf.reshape(column, [-1])[:w.size], w.shape)
+
+    def release_gathered(self) -> None:
+        """Drops the slots `gather_slots` gathered."""
+        self._gathered = {}
 
     def slot_variables(self) -> list[tf.Variable]:
         """Every slot shard variable (of every local replica)."""

@@ -7,29 +7,32 @@ FProp on the whole batch and the momentum rule in numpy.
 
 from __future__ import annotations
 
+import ast
 import io
 import math
 import os
 import shutil
 import subprocess
 import tempfile
-from unittest import mock
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 from conftest import launch_trainer, stop_processes
+from multi_client_helpers import Task, run_to_end, start_cluster
 from pipeline_test import BATCH, IN_DIM, _loss, _proj, input_shapes, make_batch
 
 from lingvo_lite import fprop_context, optimizers, pipelined_task, sharded_optimizer
 from lingvo_lite.analysis import memory_model
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import collectives, pipelining_layer, process_group
+from lingvo_lite.pipeline import collectives, pipelining_layer
 from lingvo_lite.training import options, planner, runner
 
 LEARNING_RATE = 0.05
 MOMENTUM = optimizers.SGD.Params().Set(momentum=0.9)
 ADAM = optimizers.Adam.Params()
+SLOT = "model/optimizer."  # Checkpoint keys of the optimizer slots.
 WIDTH = 10  # The softmax's 5 biases and 10 x 5 weights do not split evenly over R = 4.
 
 
@@ -173,10 +176,6 @@ class RanksAndRefusalsTest(tf.test.TestCase):
             with self.assertRaisesRegex(ValueError, message) as e:
                 sharded_optimizer.check_shardable(opt, replicas, strategy)
             self.assertNotIn("\n", str(e.exception))
-        two_tasks = process_group.ProcessGroup(("127.0.0.1:1", "127.0.0.1:2"), 0)
-        with mock.patch.object(process_group, "_current", two_tasks), \
-                self.assertRaisesRegex(ValueError, "^[^\n]*multi-client[^\n]*$"):
-            sharded_optimizer.check_shardable(optimizers.Adam.Params().Instantiate(), 2)
         out = io.StringIO()
         status = runner.main(options.RunOptions(
             model="testdata_models.TinyMlp", model_modules=("testdata_models",), max_steps=1,
@@ -218,6 +217,52 @@ class TrainerFlagTest(tf.test.TestCase):
                 self.assertAllClose(tf.train.load_variable(paths[1], key),
                                     tf.train.load_variable(paths[0], key),
                                     rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+class MultiClientTest(tf.test.TestCase):
+
+    def test_two_tasks_end_on_the_weights_and_slots_of_one_unsharded_process(self):
+        root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
+        # N=2 tasks, one replica each (R=2), K=2, Adam (TinyMlpBnNoisy's): 2 steps, then
+        # resumed (each task slices its shards from the whole slots) to step 4; against one
+        # unsharded process on the same global batches (R=1, K=1, the same 2 x T
+        # micro-batches): no collective, no shard.
+        common = ["--deterministic", "--model_params_override=train.save_interval_steps : 2"]
+        cluster = common + ["--num_replicas=2", "--num_cells=2", "--num_micro_batches=2",
+                            "--cluster_mode=multi_client", "--shard_optimizer_state"]
+        tasks = start_cluster(f"{root}/sharded", 2, cluster + ["--max_steps=2"])
+        single = Task(f"{root}/single", common + [
+            "--max_steps=4", "--num_replicas=1", "--num_cells=1", "--num_micro_batches=4"], None)
+        run_to_end(tasks)
+        resumed = start_cluster(f"{root}/sharded", 2, cluster + ["--max_steps=4"])
+        run_to_end(resumed + [single])
+        self.assertIn("(global step 2)", resumed[0].output)
+        want, got = checkpoint(f"{root}/single"), checkpoint(f"{root}/sharded")
+        self.assertEqual(sorted(want), sorted(got))
+        slots = [k for k in want if k.startswith(SLOT) and want[k].ndim]
+        self.assertNotEmpty(slots)
+        self.assertTrue(any(".Sm/" in k for k in slots) and any(".Sv/" in k for k in slots),
+                        slots)  # Adam's m and v (and its step count t, a scalar).
+        for key in want:
+            self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-7, msg=key)
+        # Each device of each task holds ceil(n / 2) elements of every m and v.
+        per_device = sorted((math.ceil(v.size / 2),) if v.ndim else ()
+                            for k, v in want.items() if k.startswith(SLOT))
+        for i, task in enumerate(tasks):
+            line = next(x for x in task.lines if "ZeRO-1 slot shards per device" in x)
+            shapes = ast.literal_eval(line.split("per device: ", 1)[1])
+            self.assertNotEmpty(shapes)
+            for device, held in shapes.items():
+                self.assertIn(f"/task:{i}/", device)
+            self.assertEqual(per_device, sorted(s for held in shapes.values() for s in held))
+
+
+def checkpoint(logdir: str) -> dict[str, np.ndarray]:
+    path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
+    return {k: tf.train.load_variable(path, k) for k, _ in tf.train.list_variables(path)
+            if k.startswith("model/")}  # Weights, batch-norm statistics, slots.
 
 
 if __name__ == "__main__":

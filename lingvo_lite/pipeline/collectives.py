@@ -134,17 +134,21 @@ class AllGather:
             with tf.device(device):
                 self._tokens.append(tf.Variable(0.0, trainable=False, name="collective_order"))
 
-    def __call__(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def __call__(self, values: Sequence[tf.Tensor],
+                 timeout_seconds: float = 0.0) -> list[tf.Tensor]:
         """`values[i]` (1-D, the same size and dtype for every member) lives on `devices[i]`;
-        returns the concatenation over all members, on each member's device."""
+        returns the concatenation over all members, on each member's device.
+        `timeout_seconds` > 0: fail (DeadlineExceededError) if a member has not joined by then."""
         if len(values) != len(self.devices):
             raise ValueError(f"AllGather over {len(self.devices)} devices got "
                              f"{len(values)} values.")
         if tf.executing_eagerly():  # As in AllReduce: launch every member at once.
-            return tf.function(self._gather, autograph=False)(values)
-        return self._gather(values)
+            return tf.function(lambda v: self._gather(v, timeout_seconds),
+                               autograph=False)(values)
+        return self._gather(values, timeout_seconds)
 
-    def _gather(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def _gather(self, values: Sequence[tf.Tensor],
+                timeout_seconds: float = 0.0) -> list[tf.Tensor]:
         instance_key = next(_instance_keys)
         out = []
         for device, token, value in zip(self.devices, self._tokens, values):
@@ -152,5 +156,5 @@ class AllGather:
                 out.append(tf.raw_ops.CollectiveGatherV2(
                     input=value, group_size=self.group_size, group_key=self._group_key,
                     instance_key=instance_key, ordering_token=[token.handle],
-                    communication_hint="auto"))
+                    communication_hint="auto", timeout_seconds=timeout_seconds))
         return out

@@ -4,7 +4,8 @@
 checkpoint restored in every task (checked with a collective: every task at the same step),
 its own input position (`input_positions.py`). `MultiClientTrainer` is the same loop with the
 writes split by role: the chief writes checkpoints, summaries, params.txt and evaluations;
-every task saves its input position at the checkpoint steps; workers write nothing else.
+every task saves its input position at the checkpoint steps (and, with ZeRO-1, joins the
+gather of the optimizer-slot shards the chief saves); workers write nothing else.
 
 Example (what multi_client.prepare runs in each task, after the collectives are set up):
 
@@ -26,6 +27,8 @@ from lingvo_lite.training.input_positions import InputPositions
 from lingvo_lite.training.options import UsageError
 
 __all__: list[str] = []
+
+SLOT_GATHER_TIMEOUT_SECONDS = 600.0
 
 
 class _NoSummaries(summaries.SummaryWriters):
@@ -57,8 +60,17 @@ class MultiClientTrainer(loop.Trainer):
     def _save(self, step: int, writers: summaries.SummaryWriters) -> None:
         with loop._writing(self.positions.directory, step):
             self.positions.save(step)
-        if self.config.is_chief:
-            super()._save(step, writers)
+        # ZeRO-1: every task reaches this step and joins the gather of the slot shards, so
+        # the chief saves whole slots (bounded: a task lost meanwhile fails the gather).
+        sharded = self.task.sharded_state
+        if sharded is not None:
+            sharded.gather_slots(timeout_seconds=SLOT_GATHER_TIMEOUT_SECONDS)
+        try:
+            if self.config.is_chief:
+                super()._save(step, writers)
+        finally:
+            if sharded is not None:
+                sharded.release_gathered()
 
     def _next_batch(self) -> NestedMap:
         batch = super()._next_batch()
@@ -89,6 +101,9 @@ def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster.Clust
     task = task_params.Instantiate()
     task.prepare_for_training()
     _check_every_weight_is_pipelined(task)
+    if task.sharded_state is not None:
+        print(f"Task {cluster.task_index}: ZeRO-1 slot shards per device: "
+              f"{task.sharded_state.slot_shapes()}", file=out, flush=True)
     skipped_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_updates")
     variables = dict(task.checkpoint_variables())
     variables[loop.SKIPPED_UPDATES_KEY] = skipped_updates
