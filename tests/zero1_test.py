@@ -7,10 +7,10 @@ FProp on the whole batch and the momentum rule in numpy.
 
 from __future__ import annotations
 
-import ast
 import io
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -247,16 +247,18 @@ class MultiClientTest(tf.test.TestCase):
                         slots)  # Adam's m and v (and its step count t, a scalar).
         for key in want:
             self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-7, msg=key)
-        # Each device of each task holds ceil(n / 2) elements of every m and v.
-        per_device = sorted((math.ceil(v.size / 2),) if v.ndim else ()
-                            for k, v in want.items() if k.startswith(SLOT))
+        # Each task's devices hold ceil(n / 2) elements of every m and v (and t, a scalar).
+        want_slots = [v for k, v in want.items() if k.startswith(SLOT)]
+        elements = sum(math.ceil(v.size / 2) if v.ndim else 1 for v in want_slots)
         for i, task in enumerate(tasks):
-            line = next(x for x in task.lines if "ZeRO-1 slot shards per device" in x)
-            shapes = ast.literal_eval(line.split("per device: ", 1)[1])
-            self.assertNotEmpty(shapes)
-            for device, held in shapes.items():
-                self.assertIn(f"/task:{i}/", device)
-            self.assertEqual(per_device, sorted(s for held in shapes.values() for s in held))
+            line = next(x for x in task.lines if "ZeRO-1 optimizer slot shards" in x)
+            held = re.findall(r"(/job:worker/replica:0/task:\d+/device:CPU:\d+): "
+                              r"(\d+) variables, (\d+) elements", line)
+            self.assertLen(held, 2, line)  # K=2 devices.
+            self.assertEqual({f"/task:{i}/"}, {re.search(r"/task:\d+/", d)[0]
+                                               for d, _, _ in held})
+            self.assertEqual(len(want_slots), sum(int(n) for _, n, _ in held))
+            self.assertEqual(elements, sum(int(e) for _, _, e in held))
 
 
 def checkpoint(logdir: str) -> dict[str, np.ndarray]:

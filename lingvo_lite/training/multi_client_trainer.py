@@ -16,6 +16,7 @@ Example (what multi_client.prepare runs in each task, after the collectives are 
 
 from __future__ import annotations
 
+import math
 from typing import Any, TextIO
 
 import tensorflow as tf
@@ -102,8 +103,13 @@ def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster.Clust
     task.prepare_for_training()
     _check_every_weight_is_pipelined(task)
     if task.sharded_state is not None:
-        print(f"Task {cluster.task_index}: ZeRO-1 slot shards per device: "
-              f"{task.sharded_state.slot_shapes()}", file=out, flush=True)
+        held = "; ".join(
+            f"{device}: {len(shapes)} variables, "
+            f"{sum(math.prod(s) for s in shapes)} elements"
+            for device, shapes in task.sharded_state.slot_shapes().items())
+        print(f"Task {cluster.task_index}: ZeRO-1 optimizer slot shards "
+              f"(1/{task.sharded_state.num_shards} of each weight's) per device: {held}",
+              file=out, flush=True)
     skipped_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_updates")
     variables = dict(task.checkpoint_variables())
     variables[loop.SKIPPED_UPDATES_KEY] = skipped_updates
