@@ -187,18 +187,19 @@ def _start_heartbeats(group: ProcessGroup) -> None:
         # A collective that failed because a peer died: name the peer (bounded), no traceback.
         failed.append(True)
         beats.set_state("failed")
+        peer_error = type(value).__name__ in _PEER_ERRORS
         deadline = time.monotonic() + heartbeats_lib.LOST_AFTER_S + 5.0
         while time.monotonic() < deadline:
             for t in watch.peers:
-                if watch.finished(t):
-                    continue
+                if watch.finished(t) and not peer_error:
+                    continue  # E.g. this task's own error after a peer's normal end.
                 address = group.addresses[t]
                 if (not heartbeats_lib.reachable(address, timeout=0.5)
                         or watch.stale(t) > 3 * heartbeats_lib.HEARTBEAT_INTERVAL_S):
                     heartbeats_lib.exit_now(_lost_message(
                         group, t, address, "it is gone (a collective with it failed and it "
                         "no longer answers)"))
-            if type(value).__name__ not in _PEER_ERRORS:
+            if not peer_error:
                 break  # This task's own error: checked once.
             time.sleep(1.0)
         previous_hook(kind, value, traceback)
