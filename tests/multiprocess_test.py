@@ -139,7 +139,8 @@ class ReadmeMeshCommandsTest(tf.test.TestCase):
     def test_readme_commands_train_to_the_end(self):
         with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
             text = f.read()
-        section = text.split("## Running on several devices and hosts", 1)[1].split("\n## ", 1)[0]
+        section = text.split("## Running on several devices and hosts", 1)[1]
+        section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]  # Not its subsections.
         blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
         self.assertLen(blocks, 2)
         root = tempfile.mkdtemp()
