@@ -44,6 +44,7 @@ from lingvo_lite.pipeline import (
     placement,
     process_group,
     remat,
+    replica_means,
     schedule,
     step_layout,
     tpu,
@@ -713,7 +714,8 @@ class PipeliningLayer(base_layer.BaseLayer):
         if weights[0] is None:
             weights = [tf.constant(1.0)] * self.num_replicas
         merged = micro_batch.merge(outputs, p.batch_dim, micro_batch.loss_weights(outputs))
-        grads = self._all_reduce_grads(grads, weights)
+        grads = replica_means.weighted_mean_grads(grads, weights, self._gradient_all_reduce,
+                                                  self._cell_of_theta_leaves())
         if self._side_all_reduce is not None:
             merged = cross_process.global_scalars(self._side_all_reduce, merged,
                                                   tf.add_n(weights))
@@ -755,50 +757,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                 for i, g in zip(idx, summed):
                     flat[i] = g / tf.cast(total, g.dtype)
         if isinstance(out, NestedMap):
-            out = self._all_reduce_scalars(context, out, weight)
+            with self._cell_scope(self.num_cells - 1):
+                out = replica_means.weighted_mean_scalars(context, out, weight)
         return out, [grads.Pack(flat)]
-
-    def _all_reduce_scalars(self, context: tf.distribute.ReplicaContext, out: NestedMap,
-                            weight: tf.Tensor) -> NestedMap:
-        """Scalar float outputs as their weighted mean over the replicas; weights summed."""
-        items = out.FlattenItems()
-        idx = [i for i, (_, v) in enumerate(items)
-               if v is not None and v.shape.rank == 0 and v.dtype.is_floating]
-        if not idx:
-            return out
-        with self._cell_scope(self.num_cells - 1):
-            values = [items[i][1] if items[i][0] in micro_batch.WEIGHT_KEYS
-                      else items[i][1] * tf.cast(weight, items[i][1].dtype) for i in idx]
-            *summed, total = context.all_reduce(tf.distribute.ReduceOp.SUM, values + [weight])
-            total = tf.maximum(total, 1e-8)
-            leaves = [v for _, v in items]
-            for i, v in zip(idx, summed):
-                leaves[i] = v if items[i][0] in micro_batch.WEIGHT_KEYS else v / tf.cast(
-                    total, v.dtype)
-        return out.Pack(leaves)
-
-    def _all_reduce_grads(self, grads: list[NestedMap],
-                          weights: list[tf.Tensor]) -> list[NestedMap]:
-        """sum_r w_r g_r / sum_r w_r for every gradient, on each replica's devices."""
-        flat = [g.Flatten() for g in grads]
-        reduced = [list(f) for f in flat]
-        cell_of_leaf = self._cell_of_theta_leaves()
-        for k, all_reduce in enumerate(self._gradient_all_reduce):
-            idx = [i for i, g in enumerate(flat[0]) if g is not None and cell_of_leaf[i] == k]
-            if not idx:
-                continue
-            members = []
-            for r, device in enumerate(all_reduce.devices):
-                with tf.device(device):
-                    w = tf.cast(weights[r], tf.float32)
-                    members.append([flat[r][i] * tf.cast(w, flat[r][i].dtype) for i in idx]
-                                   + [w])
-            for r, summed in enumerate(all_reduce(members)):
-                with tf.device(all_reduce.devices[r]):
-                    total = tf.maximum(summed[-1], 1e-8)
-                    for i, g in zip(idx, summed[:-1]):
-                        reduced[r][i] = g / tf.cast(total, g.dtype)
-        return [g.Pack(f) for g, f in zip(grads, reduced)]
 
     def _cell_of_theta_leaves(self) -> list[int]:
         """The cell of each leaf of theta, in `theta.Flatten()` order."""
