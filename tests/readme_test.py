@@ -147,8 +147,9 @@ def _env() -> dict[str, str]:
 def _run(command: str, tmp: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Runs a README command as written: only .venv/bin/python -> this interpreter (the same
     program in a fresh clone's venv) and /tmp/... -> a temporary directory."""
-    script = command.replace(VENV + "python", shlex.quote(sys.executable))
-    script = re.sub(r"/tmp/", tmp.rstrip("/") + "/", script)
+    # /tmp first: the interpreter's own path may lie under /tmp (a clone there).
+    script = re.sub(r"/tmp/", tmp.rstrip("/") + "/", command)
+    script = script.replace(VENV + "python", shlex.quote(sys.executable))
     return subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=timeout)
 
