@@ -31,13 +31,8 @@ _group_keys = itertools.count(1)
 _instance_keys = itertools.count(1)
 
 
-class AllReduce:
-    """Sums lists of tensors element-wise across the devices of one group.
-
-    Args:
-      devices: this process's members of the group, one device each.
-      group_size: members in all processes (default: `len(devices)`, one process).
-    """
+class _Group:
+    """The members of one collective group on this process's devices, with its group key."""
 
     def __init__(self, devices: Sequence[str], group_size: int | None = None) -> None:
         self.devices = list(devices)
@@ -52,6 +47,15 @@ class AllReduce:
         for device in self.devices:
             with tf.device(device):
                 self._tokens.append(tf.Variable(0.0, trainable=False, name="collective_order"))
+
+
+class AllReduce(_Group):
+    """Sums lists of tensors element-wise across the devices of one group.
+
+    Args:
+      devices: this process's members of the group, one device each.
+      group_size: members in all processes (default: `len(devices)`, one process).
+    """
 
     def __call__(self, values: Sequence[Sequence[tf.Tensor]]) -> list[list[tf.Tensor]]:
         """`values[i]` lives on `devices[i]`; returns the sums, each on its member's device.
@@ -109,7 +113,7 @@ def collective_ranks(devices: Sequence[str]) -> list[int]:
     return ranks
 
 
-class AllGather:
+class AllGather(_Group):
     """Concatenates one 1-D tensor from every member of a group, in rank order
     (`CollectiveGatherV2`; ranks: `collective_ranks`).
 
@@ -121,18 +125,6 @@ class AllGather:
         gather = AllGather(["/device:CPU:1", "/device:CPU:0"])
         a, b = gather([tf.constant([1.0]), tf.constant([2.0])])  # both [2.0, 1.0]
     """
-
-    def __init__(self, devices: Sequence[str], group_size: int | None = None) -> None:
-        self.devices = list(devices)
-        self.group_size = group_size or len(self.devices)
-        if self.group_size < len(self.devices):
-            raise ValueError(f"group_size={self.group_size} is smaller than the "
-                             f"{len(self.devices)} local devices of the group.")
-        self._group_key = next(_group_keys)
-        self._tokens = []  # As in AllReduce: orders each device's collectives.
-        for device in self.devices:
-            with tf.device(device):
-                self._tokens.append(tf.Variable(0.0, trainable=False, name="collective_order"))
 
     def __call__(self, values: Sequence[tf.Tensor],
                  timeout_seconds: float = 0.0) -> list[tf.Tensor]:
