@@ -14,69 +14,20 @@ Only the processes started here are stopped, by PID.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
-import threading
 import time
 import unittest
 
 from cluster_test import _free_ports
-from conftest import launch_trainer
+from multi_client_helpers import Task, tf_config
 
 MODEL = "tests.testdata_models.TinyMlp"
 BOUND_S = 90.0  # Generous: the faults are found within seconds of both processes starting.
 LOST_BOUND_S = 60.0  # A stopped task: found after LOST_AFTER_S = 15 s without heartbeats.
-
-
-def _tf_config(addresses: list[str], index: int) -> str:
-    return json.dumps({"cluster": {"worker": addresses},
-                       "task": {"type": "worker", "index": index}})
-
-
-class _Task:
-    """A trainer process whose merged output is read as it comes."""
-
-    def __init__(self, logdir: str, tf_config: str, *flags: str) -> None:
-        self.proc = launch_trainer(f"--model={MODEL}", f"--logdir={logdir}",
-                                   "--num_replicas=1", "--num_cells=2", *flags,
-                                   stderr=subprocess.STDOUT, env={"TF_CONFIG": tf_config})
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} in:\n{self.output[-3000:]}")
-            time.sleep(0.2)
-
-    def wait(self, timeout: float) -> int:
-        status = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return status
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()  # Also ends a stopped (SIGSTOP) process.
-        self.proc.wait()
-        self._reader.join(timeout=10)
-
-    def errors(self) -> list[str]:
-        return [line.strip() for line in self.lines if line.startswith("trainer.py: error:")]
 
 
 class ClusterFaultsTest(unittest.TestCase):
@@ -84,15 +35,16 @@ class ClusterFaultsTest(unittest.TestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="cluster_faults_")
         self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
-        self.tasks: list[_Task] = []
+        self.tasks: list[Task] = []
         self.addCleanup(lambda: [t.stop() for t in self.tasks])
 
-    def _start(self, tf_configs: list[str], *flags: str) -> list[_Task]:
+    def _start(self, tf_configs: list[str], *flags: str) -> list[Task]:
         logdir = os.path.join(self.root, "run")
-        self.tasks = [_Task(logdir, c, *flags) for c in tf_configs]
+        self.tasks = [Task(logdir, ["--num_replicas=1", "--num_cells=2", *flags], c,
+                           model=MODEL) for c in tf_configs]
         return self.tasks
 
-    def _assert_each_ends_with_one_line(self, tasks: list[_Task], *wanted: str) -> None:
+    def _assert_each_ends_with_one_line(self, tasks: list[Task], *wanted: str) -> None:
         started = time.monotonic()
         for task, text in zip(tasks, wanted):
             status = task.wait(timeout=BOUND_S + 60)
@@ -112,7 +64,7 @@ class ClusterFaultsTest(unittest.TestCase):
                 port = holder.getsockname()[1]
                 addresses = [f"127.0.0.1:{_free_ports(1)[0]}"] * 2
                 addresses[taken] = f"127.0.0.1:{port}"
-                tasks = self._start([_tf_config(addresses, 0), _tf_config(addresses, 1)],
+                tasks = self._start([tf_config(addresses, 0), tf_config(addresses, 1)],
                                     "--max_steps=4")
                 self._assert_each_ends_with_one_line(
                     [tasks[taken], tasks[1 - taken]],
@@ -125,12 +77,12 @@ class ClusterFaultsTest(unittest.TestCase):
         p0, p1, p2 = _free_ports(3)
         two = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
         cases = {
-            "same index": ([_tf_config(two, 0), _tf_config(two, 0)],
+            "same index": ([tf_config(two, 0), tf_config(two, 0)],
                            "task index 0", "task index 0"),
-            "mismatched address": ([_tf_config(two, 0), _tf_config(
+            "mismatched address": ([tf_config(two, 0), tf_config(
                 [f"127.0.0.1:{p0}", f"127.0.0.1:{p2}"], 1)],
                 "TF_CONFIG differs between the processes", "TF_CONFIG differs"),
-            "mismatched task count": ([_tf_config(two, 0), _tf_config(
+            "mismatched task count": ([tf_config(two, 0), tf_config(
                 two + [f"127.0.0.1:{p2}"], 1)],
                 "TF_CONFIG differs between the processes", "TF_CONFIG differs"),
         }
@@ -148,7 +100,7 @@ class ClusterFaultsTest(unittest.TestCase):
         lock = os.path.join(self.root, "run", "trainer.lock")
 
         # SIGSTOP: the worker's kernel still accepts connections, but it answers nothing.
-        chief, worker = self._start([_tf_config(addresses, 0), _tf_config(addresses, 1)],
+        chief, worker = self._start([tf_config(addresses, 0), tf_config(addresses, 1)],
                                     *flags)
         chief.wait_for("Saved checkpoint", timeout=300)
         os.kill(worker.proc.pid, signal.SIGSTOP)
@@ -165,7 +117,7 @@ class ClusterFaultsTest(unittest.TestCase):
 
         # SIGTERM to the chief: it saves, releases the lock and exits 143; the worker ends.
         addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
-        chief, worker = self._start([_tf_config(addresses, 0), _tf_config(addresses, 1)],
+        chief, worker = self._start([tf_config(addresses, 0), tf_config(addresses, 1)],
                                     *flags)
         chief.wait_for("Resuming training", timeout=300)
         chief.wait_for("step ", timeout=300)

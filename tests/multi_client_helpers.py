@@ -32,8 +32,8 @@ class Task:
     """A trainer process (merged output, read as it comes)."""
 
     def __init__(self, logdir: str, flags: list[str], config: str | None,
-                 env: dict[str, str] | None = None) -> None:
-        self.proc = launch_trainer(f"--model={MODEL}", f"--logdir={logdir}", *flags,
+                 env: dict[str, str] | None = None, model: str = MODEL) -> None:
+        self.proc = launch_trainer(f"--model={model}", f"--logdir={logdir}", *flags,
                                    stderr=subprocess.STDOUT,
                                    env={"TF_CONFIG": config, **(env or {})})
         self.lines: list[str] = []
