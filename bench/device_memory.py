@@ -200,17 +200,9 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None,
         opt.apply(grads_and_vars, tf.constant(1e-3))
         return out.loss
 
-    def weight_sums():
-        sums = []
-        for row in variables:
-            for v in row:
-                with tf.device(v.device):
-                    sums.append(tf.reduce_sum(v))
-        return tf.add_n(sums)
-
     # A step's loss comes back before its weight updates finish; a scalar that reads every
     # weight waits for them, so no step's updates overlap the next step's peak.
-    sync = tf.function(weight_sums, autograph=False)
+    sync = tf.function(lambda: sum_of_weights(variables), autograph=False)
 
     fn = tf.function(step, autograph=False)
     float(fn(batch))  # Trace and warm up outside the measured steps.
@@ -228,6 +220,19 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None,
         float(sync())
         cluster.stop_traces()
     return peaks[:num_devices]  # The pipeline is freed with this frame (next call: gc).
+
+
+def sum_of_weights(variables):
+    """One scalar reading every variable of `variables` (rows of tf.Variables), each summed on
+    its own device: fetching it waits for every pending update of those weights."""
+    import tensorflow as tf
+
+    sums = []
+    for row in variables:
+        for v in row:
+            with tf.device(v.device):
+                sums.append(tf.reduce_sum(v))
+    return tf.add_n(sums)
 
 
 def random_batch(shapes, seed: int = 0):

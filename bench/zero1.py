@@ -77,15 +77,8 @@ def measure(cluster, num_replicas: int, num_cells: int, sharded: bool) -> dict:
             opt.apply([gv for ps in pairs for gv in ps], tf.constant(1e-3))
         return out.loss
 
-    def weight_sums():  # Waits for every update (as device_memory._measure).
-        sums = []
-        for row in variables:
-            for v in row:
-                with tf.device(v.device):
-                    sums.append(tf.reduce_sum(v))
-        return tf.add_n(sums)
-
-    fn, sync = tf.function(step, autograph=False), tf.function(weight_sums, autograph=False)
+    fn = tf.function(step, autograph=False)
+    sync = tf.function(lambda: device_memory.sum_of_weights(variables), autograph=False)
     batch = make_batch()
     float(fn(batch))
     float(sync())
