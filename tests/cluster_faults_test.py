@@ -22,8 +22,11 @@ import tempfile
 import time
 import unittest
 
+import pytest
 from cluster_test import _free_ports
 from multi_client_helpers import Task, tf_config
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 MODEL = "tests.testdata_models.TinyMlp"
 BOUND_S = 90.0  # Generous: the faults are found within seconds of both processes starting.

@@ -17,6 +17,7 @@ the traced path through trainer.py.
 
 from __future__ import annotations
 
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -25,6 +26,8 @@ from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import equivalence, model_config
 from model_params import image, mt  # noqa: F401 (registers the models)
 from tasks.image import input_generator
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 # (K, T, schedule): the second setting runs zero-bubble, whose B defers the weight gradients of
 # every matmul, einsum and convolution to W (layers.weight_ops).

@@ -5,9 +5,12 @@ See equivalence_models_test.py for how GPipe's T(L, H, A) models are shrunk.
 
 from __future__ import annotations
 
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 from equivalence_models_test import CheckAllSettings, distinct_registered
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 
 class RegisteredMtModelsTest(tf.test.TestCase, parameterized.TestCase, CheckAllSettings):

@@ -6,9 +6,12 @@ import io
 import os
 import tempfile
 
+import pytest
 import tensorflow as tf
 
 from lingvo_lite.training import options, runner
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 MODEL = "keras_digits.ResNetDigits"
 

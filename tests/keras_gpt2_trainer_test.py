@@ -30,6 +30,8 @@ from lingvo_lite.training import options, runner  # noqa: E402
 from model_params import keras_gpt2  # noqa: E402
 from tasks.text import char_lm_input  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
+
 MODEL = "keras_gpt2.GPT2CharLM"
 
 

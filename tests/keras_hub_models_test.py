@@ -18,6 +18,8 @@ from keras_hub_test import LOSS, assert_step_matches  # noqa: E402
 
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
+
 SEQ = 8
 BERT_SHAPES = {"token_ids": (SEQ,), "segment_ids": (SEQ,), "padding_mask": (SEQ,)}
 

@@ -18,6 +18,8 @@ keras_hub = pytest.importorskip("keras_hub")
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 from lingvo_lite.keras.graph_layer import GraphNodeLayer, SharedNodeLayer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
+
 VOCAB, SEQ = 64, 8
 SHAPES = {"token_ids": (SEQ,), "padding_mask": (SEQ,)}
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -19,6 +19,8 @@ from keras_hub_test import LOSS, assert_step_matches  # noqa: E402
 
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
+
 
 def resnet_classifier() -> keras.Model:
     keras.utils.set_random_seed(12)

@@ -19,11 +19,14 @@ import tempfile
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from lingvo_lite.keras import PipelinedModel, pipeline_params
 from lingvo_lite.keras.keras_loss import KerasLossLayer, serialize_loss
 from lingvo_lite.nested_map import NestedMap
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 N, D, CLASSES = 8, 5, 3
 TOL = 2e-5

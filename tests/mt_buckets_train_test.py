@@ -9,11 +9,14 @@ import io
 import os
 
 import numpy as np
+import pytest
 from mt_decode_test import TinyUserMt, _write_user_corpus
 from tensorboard.backend.event_processing import event_accumulator
 
 from lingvo_lite.training import options, runner
 from tasks.mt import input_generator
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 LENGTHS, SIZES = [5, 8, 12], [24, 16, 8]
 

@@ -110,6 +110,14 @@ def pipeline_loss_and_grads(pipe, batch, step_seed, graph=True):
     return tf.function(step, autograph=False)(batch) if graph else step(batch)
 
 
+NUM_CELLS, NUM_MICRO_BATCHES, REMAT = [1, 2, 3, 4, 8], [1, 2, 4, 8, 16, 32], [
+    "always", "except_last", "never"]
+# Every (K, T) pair once, remat rotating so that every (K, remat) and (T, remat) pair occurs
+# too: 30 runs cover each pair of the 90 combinations.
+COVERING_MATRIX = [(k, t, REMAT[(i + j) % len(REMAT)])
+                   for i, k in enumerate(NUM_CELLS) for j, t in enumerate(NUM_MICRO_BATCHES)]
+
+
 class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
     @classmethod
@@ -119,11 +127,7 @@ class PipelineEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         ref_pipe = make_pipeline(mlp_layers())
         cls.ref_loss, cls.ref_grads = reference_loss_and_grads(ref_pipe, cls.batch, 3)
 
-    @parameterized.product(
-        num_cells=[1, 2, 3, 4, 8],
-        num_micro_batches=[1, 2, 4, 8, 16, 32],
-        remat=["always", "except_last", "never"],
-    )
+    @parameterized.parameters(*COVERING_MATRIX)
     def test_loss_and_gradients_match_unpipelined_model(self, num_cells, num_micro_batches,
                                                         remat):
         pipe = make_pipeline(mlp_layers(), num_cells, num_micro_batches, remat)

@@ -18,7 +18,10 @@ import tempfile
 import time
 import unittest
 
+import pytest
 from conftest import launch_trainer, stop_processes
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 EXIT_AFTER_DONE_S = 10.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -36,6 +36,10 @@ import sys
 import tempfile
 import unittest
 
+import pytest
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = ".venv/bin/"
 

@@ -18,11 +18,14 @@ import threading
 import time
 
 import pipeline_test as pt
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
 from lingvo_lite import base_layer, fprop_context
 from lingvo_lite.layers import composite, structural
+
+pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 SLEEP_S = 0.05
 
