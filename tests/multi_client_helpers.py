@@ -74,10 +74,10 @@ class Task:
 
 
 def start_cluster(logdir: str, n: int, flags: list[str],
-                  env: dict[str, str] | None = None) -> list[Task]:
+                  env: dict[str, str] | None = None, model: str = MODEL) -> list[Task]:
     """Tasks 0..n-1 (started last to first), each with its own TF_CONFIG."""
     where = addresses(n)
-    tasks = [Task(logdir, flags, tf_config(where, i), env) for i in reversed(range(n))]
+    tasks = [Task(logdir, flags, tf_config(where, i), env, model) for i in reversed(range(n))]
     return tasks[::-1]
 
 

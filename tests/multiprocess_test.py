@@ -2,12 +2,13 @@
 
 One pipeline across processes: R=1, K=2, one cell per process (a replica that spans tasks runs
 single-client: the chief is the one client). After the run the chief's checkpoint must equal a
-single-process run on the same global batch. Then faults: killing one process mid-run makes the
-other exit non-zero with a line naming what was lost, within the bound; re-running both resumes
-from the last checkpoint and, with --deterministic, ends with the uninterrupted run's weights bit
-for bit. Data parallelism across processes (multi-client mode, the default when replicas fit on
-a task) is tested the same way in multi_client_test.py and multi_client_faults_test.py. Only the
-processes started here are stopped, by PID.
+single-process run on the same global batch. Then faults, in turn in one logdir (the worker
+killed, then the chief): each makes the other exit non-zero with a line naming what was lost,
+within the bound; re-running both resumes from the last checkpoint and, with --deterministic,
+the last run ends with the uninterrupted run's weights bit for bit. Data parallelism across
+processes (multi-client mode, the default when replicas fit on a task) is tested the same way in
+multi_client_test.py and multi_client_faults_test.py. Only the processes started here are
+stopped, by PID.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import pytest
 import tensorflow as tf
 from cluster_test import _free_ports
 from conftest import launch_trainer, stop_processes
+from multi_client_helpers import Task, addresses, run_to_end, start_cluster, tf_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tests.testdata_models.TinyMlp"
 BOUND_S = 60.0  # The issue's bound for noticing a lost process.
+FAULT_STEPS = 100  # Long enough that the worker is killed mid-run, not after the end.
+SIGNAL_ENV = "LINGVO_LITE_TEST_SIGNAL_AT"  # The trainer signals itself at a chosen step.
 
 
 def _tf_config(addresses: list[str], index: int) -> str:
@@ -88,44 +92,60 @@ class MultiProcessTrainerTest(tf.test.TestCase):
         self.assertFalse([f for f in os.listdir(logdir) if f.startswith("task_")])
 
     def test_lost_process_stops_the_other_and_a_rerun_resumes_exactly(self):
-        # --deterministic: the resumed run must end with the uninterrupted run's weights, bit
-        # for bit (two uninterrupted runs of this configuration are bitwise equal).
-        flags = ["--num_replicas=1", "--num_cells=2", "--max_steps=300", "--deterministic",
-                 "--model_params_override=train.save_interval_steps : 20"]
+        # One logdir through two faults: the worker killed once ckpt-10 is written (a
+        # single-client worker runs no steps of its own, so this test kills it), then the chief
+        # killed by its own hook mid-run. --deterministic: the last rerun must end on the
+        # uninterrupted run's weights bit for bit.
+        flags = ["--num_replicas=1", "--num_cells=2", f"--max_steps={FAULT_STEPS}",
+                 "--deterministic", "--model_params_override=train.save_interval_steps : 10"]
         uninterrupted = os.path.join(self.root, "uninterrupted")
-        for status, out in self._run_cluster(uninterrupted, flags):
-            self.assertEqual(0, status, msg=out[-3000:])
-        for victim, survivor, message in ((1, 0, "lost task 1"), (0, 1, "lost the chief")):
-            logdir = os.path.join(self.root, f"kill_{victim}")
-            addresses = [f"127.0.0.1:{p}" for p in _free_ports(2)]
-            procs = {i: _launch(logdir, flags, _tf_config(addresses, i)) for i in (1, 0)}
-            try:
-                ckpt_dir = os.path.join(logdir, "checkpoints")
-                deadline = time.monotonic() + 180
-                while not tf.train.latest_checkpoint(ckpt_dir):
-                    self.assertLess(time.monotonic(), deadline, "no checkpoint was written")
-                    time.sleep(0.2)
-                procs[victim].kill()
-                killed_at = time.monotonic()
-                out = procs[survivor].communicate(timeout=BOUND_S + 30)[0]
-                self.assertLess(time.monotonic() - killed_at, BOUND_S)
-                self.assertEqual(1, procs[survivor].returncode, msg=out[-3000:])
-                lines = [line for line in out.splitlines() if message in line]
-                self.assertLen(lines, 1, msg=out[-3000:])
-                self.assertIn("Rerun every process", lines[0])
-                self.assertNotIn("Traceback", out)
-            finally:
-                stop_processes(list(procs.values()))
-            step = int(tf.train.latest_checkpoint(ckpt_dir).rsplit("-", 1)[1])
-            self.assertLess(step, 300, "the run ended before the kill; nothing was resumed")
-            rerun = self._run_cluster(logdir, flags)
-            for status, out in rerun:
-                self.assertEqual(0, status, msg=out[-3000:])
-            self.assertIn(f"Resuming training from step {step}", rerun[1][1])
-            want, got = _weights(uninterrupted), _weights(logdir)
-            self.assertCountEqual(want, got)
-            for key in want:
-                self.assertAllEqual(want[key], got[key], msg=key)
+        run_to_end(start_cluster(uninterrupted, 2, flags, model=MODEL))
+        logdir = os.path.join(self.root, "faulty")
+        ckpt_dir = os.path.join(logdir, "checkpoints")
+
+        tasks = start_cluster(logdir, 2, flags, model=MODEL)
+        try:
+            deadline = time.monotonic() + 180
+            while not tf.train.latest_checkpoint(ckpt_dir):
+                self.assertLess(time.monotonic(), deadline, tasks[0].output[-3000:])
+                time.sleep(0.1)
+            tasks[1].proc.kill()
+            self._assert_survivor_names_the_loss(tasks[0], time.monotonic(), "lost task 1")
+        finally:
+            for t in tasks:
+                t.stop()
+        step = int(tf.train.latest_checkpoint(ckpt_dir).rsplit("-", 1)[1])
+        self.assertLess(step, FAULT_STEPS, "the run ended before the kill; nothing to resume")
+
+        kill_at = step + 15  # After the rerun's first checkpoint, step + 10.
+        where = addresses(2)
+        kill_chief = {SIGNAL_ENV: f"fetched:{kill_at}=SIGKILL"}
+        tasks = [Task(logdir, flags, tf_config(where, 0), kill_chief, model=MODEL),
+                 Task(logdir, flags, tf_config(where, 1), model=MODEL)]
+        try:
+            self.assertEqual(-9, tasks[0].wait(timeout=240), tasks[0].output[-3000:])
+            self.assertIn(f"Resuming training from step {step}", tasks[0].output)
+            self._assert_survivor_names_the_loss(tasks[1], time.monotonic(), "lost the chief")
+        finally:
+            for t in tasks:
+                t.stop()
+
+        rerun = start_cluster(logdir, 2, flags, model=MODEL)
+        rerun[0].wait_for(f"Resuming training from step {step + 10}", timeout=180)
+        run_to_end(rerun)
+        want, got = _weights(uninterrupted), _weights(logdir)
+        self.assertCountEqual(want, got)
+        for key in want:
+            self.assertAllEqual(want[key], got[key], msg=key)
+
+    def _assert_survivor_names_the_loss(self, survivor: Task, lost_at: float, message: str):
+        status = survivor.wait(timeout=BOUND_S + 30)
+        self.assertLess(time.monotonic() - lost_at, BOUND_S)
+        self.assertEqual(1, status, msg=survivor.output[-3000:])
+        self.assertLen(survivor.errors(), 1, msg=survivor.output[-3000:])
+        self.assertIn(message, survivor.errors()[0])
+        self.assertIn("Rerun every process", survivor.errors()[0])
+        self.assertNotIn("Traceback", survivor.output)
 
 
 @pytest.mark.slow
