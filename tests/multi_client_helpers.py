@@ -95,3 +95,16 @@ def weights(logdir: str) -> dict[str, np.ndarray]:
     path = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
     return {k: tf.train.load_variable(path, k) for k, _ in tf.train.list_variables(path)
             if k.startswith("model/")}
+
+
+def assert_survivor_names_the_loss(test, survivor: Task, lost_at: float, message: str,
+                                   bound_s: float) -> None:
+    """`survivor` exits 1 within `bound_s` of `lost_at` with one error line naming the loss
+    (`message`) and telling the user to rerun, and no traceback."""
+    status = survivor.wait(timeout=bound_s + 30)
+    test.assertLess(time.monotonic() - lost_at, bound_s)
+    test.assertEqual(1, status, msg=survivor.output[-3000:])
+    test.assertLen(survivor.errors(), 1, msg=survivor.output[-3000:])
+    test.assertIn(message, survivor.errors()[0])
+    test.assertIn("Rerun every process", survivor.errors()[0])
+    test.assertNotIn("Traceback", survivor.output)

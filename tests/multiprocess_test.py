@@ -26,7 +26,14 @@ import pytest
 import tensorflow as tf
 from cluster_test import _free_ports
 from conftest import launch_trainer, stop_processes
-from multi_client_helpers import Task, addresses, run_to_end, start_cluster, tf_config
+from multi_client_helpers import (
+    Task,
+    addresses,
+    assert_survivor_names_the_loss,
+    run_to_end,
+    start_cluster,
+    tf_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tests.testdata_models.TinyMlp"
@@ -110,7 +117,8 @@ class MultiProcessTrainerTest(tf.test.TestCase):
                 self.assertLess(time.monotonic(), deadline, tasks[0].output[-3000:])
                 time.sleep(0.1)
             tasks[1].proc.kill()
-            self._assert_survivor_names_the_loss(tasks[0], time.monotonic(), "lost task 1")
+            assert_survivor_names_the_loss(self, tasks[0], time.monotonic(), "lost task 1",
+                                           BOUND_S)
         finally:
             for t in tasks:
                 t.stop()
@@ -125,7 +133,8 @@ class MultiProcessTrainerTest(tf.test.TestCase):
         try:
             self.assertEqual(-9, tasks[0].wait(timeout=240), tasks[0].output[-3000:])
             self.assertIn(f"Resuming training from step {step}", tasks[0].output)
-            self._assert_survivor_names_the_loss(tasks[1], time.monotonic(), "lost the chief")
+            assert_survivor_names_the_loss(self, tasks[1], time.monotonic(), "lost the chief",
+                                           BOUND_S)
         finally:
             for t in tasks:
                 t.stop()
@@ -137,15 +146,6 @@ class MultiProcessTrainerTest(tf.test.TestCase):
         self.assertCountEqual(want, got)
         for key in want:
             self.assertAllEqual(want[key], got[key], msg=key)
-
-    def _assert_survivor_names_the_loss(self, survivor: Task, lost_at: float, message: str):
-        status = survivor.wait(timeout=BOUND_S + 30)
-        self.assertLess(time.monotonic() - lost_at, BOUND_S)
-        self.assertEqual(1, status, msg=survivor.output[-3000:])
-        self.assertLen(survivor.errors(), 1, msg=survivor.output[-3000:])
-        self.assertIn(message, survivor.errors()[0])
-        self.assertIn("Rerun every process", survivor.errors()[0])
-        self.assertNotIn("Traceback", survivor.output)
 
 
 @pytest.mark.slow
