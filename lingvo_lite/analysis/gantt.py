@@ -160,6 +160,9 @@ def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], cell_devices: Sequen
     # Gaps narrower than a pixel between a box's ops would draw as a hatch of hairlines.
     min_gap_ns = span_ms * 1e6 / (FIGURE_WIDTH_IN * DPI)
     num_devices = 1 + max(cell_devices)
+    # The limits are set below, and boxes stay inside them: neither autoscaling nor the
+    # layout engine needs to look at each of the (K x T x phases) boxes.
+    ax.set_autoscale_on(False)
     for k in range(num_devices):
         ax.barh(k, span_ms, left=0.0, height=BAR_HEIGHT, color=IDLE_COLOR, gid=f"idle device {k}")
     for b in boxes:
@@ -167,14 +170,16 @@ def _draw_timeline(ax, boxes: Sequence[trace_analysis.Box], cell_devices: Sequen
         row, stage = _row(b, cell_devices), _stage(b.cell, cell_devices)
         hatch = STAGE_HATCHES[stage % len(STAGE_HATCHES)] or None
         start_ms, width_ms = (b.start_ns - t0_ns) / 1e6, (b.end_ns - b.start_ns) / 1e6
-        ax.barh(row, width_ms, left=start_ms, height=BAR_HEIGHT, color=color, alpha=0.35,
-                edgecolor="white", linewidth=0.6, gid=trace_analysis.box_name(b))
+        bar, = ax.barh(row, width_ms, left=start_ms, height=BAR_HEIGHT, color=color,
+                       alpha=0.35, edgecolor="white", linewidth=0.6,
+                       gid=trace_analysis.box_name(b))
+        bar.set_in_layout(False)
         segments = [((s - t0_ns) / 1e6, (e - s) / 1e6)
                     for s, e in _close_gaps(b.segments, min_gap_ns)]
         if segments:
             ax.broken_barh(segments, (row - BAR_HEIGHT / 2, BAR_HEIGHT), facecolors=color,
                            linewidth=0, hatch=hatch, edgecolor="white" if hatch else None,
-                           gid=f"{trace_analysis.box_name(b)} busy")
+                           gid=f"{trace_analysis.box_name(b)} busy").set_in_layout(False)
     ax.set_ylim(num_devices - 0.5, -0.5)  # Device 0 on top.
     ax.set_yticks(range(num_devices))
     ax.set_yticklabels([
@@ -250,7 +255,7 @@ def _label_boxes(ax, boxes: Sequence[trace_analysis.Box], t0_ns: int,
                 "boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none",
                 "alpha": 0.85}}
             ax.text(center_ms, row, label, ha="center", va="center", fontsize=size,
-                    rotation=rotation, color="black", clip_on=True,
+                    rotation=rotation, color="black", clip_on=True, in_layout=False,
                     gid=f"{trace_analysis.box_name(b)} label", **style)
 
 
