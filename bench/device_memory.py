@@ -13,7 +13,8 @@ the received copies are counted where they land, as on accelerators.
 
 or, for a registered model's first PipeliningLayer, one config per K:R:T:schedule:remat[:v]
 (K cells, v of them per device with the interleaved schedule; prints {"peak_bytes": [[device
-peaks of config 1], ...]}):
+peaks of config 1], ...]}; `--model` and `--configs` may be repeated, in pairs, to measure
+several models on one set of workers):
 
     python bench/device_memory.py measure --model=image.AmoebaNetDigits \
         --configs=2:1:4:1f1b:always,1:2:1:gpipe:never,4:1:4:interleaved:never:2
@@ -318,30 +319,36 @@ def _serve(addresses: list[str], index: int, inter: int) -> None:
 
 
 def _measure_main(argv: list[str]) -> None:
-    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat[:v],...`.
+    """`python bench/device_memory.py measure --model=M --configs=K:R:T:schedule:remat[:v],...`
+    (`--model` and `--configs` repeatable, in pairs).
 
-    Prints one JSON line: {"peak_bytes": [[device peaks of config 1], ...]}.
+    Prints one JSON line: {"peak_bytes": [[device peaks of config 1], ...]}, the configs of
+    every model in the order given.
     """
     import argparse
 
     parser = argparse.ArgumentParser(prog="device_memory.py measure")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--configs", required=True,
+    parser.add_argument("--model", required=True, action="append")
+    parser.add_argument("--configs", required=True, action="append",
                         help="Comma-separated K:R:T:schedule:remat[:v], e.g. 2:1:4:1f1b:always "
                              "or 4:1:4:interleaved:never:2 (v cells per device).")
     parser.add_argument("--model_params_override", default="")
     args = parser.parse_args(argv)
+    if len(args.model) != len(args.configs):
+        parser.error("give one --configs for each --model")
     root = os.path.join(HERE, "..")
     if root not in sys.path:
         sys.path.insert(0, root)
     configs = []
-    for text in args.configs.split(","):
-        k, r, t, schedule, remat, *v = text.split(":")
-        configs.append((int(k), int(r), int(t), schedule, remat, int(v[0]) if v else 1))
-    with Cluster(max(k // v * r for k, r, _, _, _, v in configs)) as cluster:
-        peaks = [measure_model(cluster, args.model, k, r, t, schedule, remat,
+    for model, texts in zip(args.model, args.configs):
+        for text in texts.split(","):
+            k, r, t, schedule, remat, *v = text.split(":")
+            configs.append((model, int(k), int(r), int(t), schedule, remat,
+                            int(v[0]) if v else 1))
+    with Cluster(max(k // v * r for _, k, r, _, _, _, v in configs)) as cluster:
+        peaks = [measure_model(cluster, model, k, r, t, schedule, remat,
                                args.model_params_override, v)
-                 for k, r, t, schedule, remat, v in configs]
+                 for model, k, r, t, schedule, remat, v in configs]
     print(json.dumps({"peak_bytes": peaks}))
 
 
