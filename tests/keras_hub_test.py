@@ -89,13 +89,13 @@ def test_gpt2_causal_lm_step_matches_plain(num_cells, num_micro_batches, schedul
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_gpt2_causal_lm_fit_matches_plain(optimizer):
+def test_gpt2_causal_lm_fit_matches_plain():
+    # Adam, the optimizer these models train with (plain SGD: keras_hub_vision_test.py).
     model = gpt2_causal_lm()
     pipelined = PipelinedModel(model, input_shape=SHAPES, num_cells=2, num_micro_batches=2,
                                schedule="1f1b", remat="always")
-    model.compile(optimizer=keras.optimizers.get(optimizer), loss=LOSS)
-    pipelined.compile(optimizer=keras.optimizers.get(optimizer), loss=LOSS)
+    model.compile(optimizer="adam", loss=LOSS)
+    pipelined.compile(optimizer="adam", loss=LOSS)
     x, y = token_batch(16, seed=1)
     pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
