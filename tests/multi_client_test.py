@@ -1,7 +1,7 @@
 """Multi-client trainer.py (issue 37, item 1): N tasks on 127.0.0.1, each its own client.
 
-(N, K) in {(2, 1), (3, 2)} tasks x cells, one replica per task (R = N), T = 2, on a model with
-seeded input noise, batch norm and dropout (tests/multi_client_models.py):
+N = 3 tasks, K = 2 cells, one replica per task (R = N), T = 2, on a model with seeded input
+noise, batch norm and dropout (tests/multi_client_models.py):
 - the chief's final weights equal one process trained on the same global batches: R=1, K=1,
   T = R x 2 (the same micro-batches; an independent computation: no collective, no shard) at
   rtol 1e-5, and bit for bit one process with the same R x K mesh (--deterministic: the same
@@ -9,6 +9,8 @@ seeded input noise, batch norm and dropout (tests/multi_client_models.py):
 - each task preprocessed only its shard: the ids its input logged all sit in its part of
   their global batch (positions from the unsharded input, computed here), and cover it;
 - only the chief wrote the run's files; every task saved its input position.
+Two tasks: against one process with K = 2 and ZeRO-1 (zero1_test.py); with K = 1, bit for bit
+an uninterrupted two-task run after four faults (multi_client_faults_test.py).
 Keras (item 4): `PipelinedModel.fit` in both tasks of a TF_CONFIG cluster (K=2 each, dropout,
 Adam) ends on the weights of plain `keras.Sequential.fit` in this process (rtol 1e-5).
 Processes are stopped by PID.
@@ -70,42 +72,36 @@ class MultiClientTest(tf.test.TestCase):
         return os.path.join(self.root, name)
 
     def test_n_tasks_train_the_weights_of_one_process_each_on_its_shard(self):
+        n, k = 3, 2
         common = [f"--max_steps={STEPS}", f"--num_micro_batches={T}", "--deterministic",
                   "--model_params_override=train.save_interval_steps : 3"]
-        cases = {"n2_k1": (2, 1), "n3_k2": (3, 2)}
         os.makedirs(self._dir("reads"))
-        clusters = {name: start_cluster(self._dir(name), n, common + [
+        tasks = start_cluster(self._dir("cluster"), n, common + [
             f"--num_replicas={n}", f"--num_cells={k}", "--cluster_mode=multi_client"],
-            env={READ_LOG_ENV: self._dir("reads")} if name == "n3_k2" else None)
-            for name, (n, k) in cases.items()}
-        singles = {
+            env={READ_LOG_ENV: self._dir("reads")})
+        singles = [
             # One device, the same micro-batches: R x T of them.
-            "n2_k1": Task(self._dir("single_n2"), common + [
-                "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={2 * T}"], None),
-            "n3_k2": Task(self._dir("single_n3"), common + [
-                "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={3 * T}"], None),
+            Task(self._dir("single"), common + [
+                "--num_replicas=1", "--num_cells=1", f"--num_micro_batches={n * T}"], None),
             # One process, the same mesh of R x K devices.
-            "mesh": Task(self._dir("single_mesh"), common + [
-                "--num_replicas=3", "--num_cells=2"], None),
-        }
-        for tasks in clusters.values():
-            run_to_end(tasks)
-        run_to_end(list(singles.values()))
+            Task(self._dir("mesh"), common + [f"--num_replicas={n}", f"--num_cells={k}"], None),
+        ]
+        run_to_end(tasks)
+        run_to_end(singles)
 
-        for name, (n, _) in cases.items():
-            want, got = weights(self._dir(f"single_n{n}")), weights(self._dir(name))
-            self.assertCountEqual(want, got)
-            for key in want:
-                self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-6, msg=key)
-            # The chief alone wrote the run's files; each task its input position.
-            self.assertEqual(["checkpoints", "input_positions", "model_analysis.txt",
-                              "params.txt", "train"], sorted(os.listdir(self._dir(name))))
-            self.assertEqual([f"task_{i}" for i in range(n)], sorted(os.listdir(
-                os.path.join(self._dir(name), "input_positions", f"{n}_tasks"))))
-        want, got = weights(self._dir("single_mesh")), weights(self._dir("n3_k2"))
+        want, got = weights(self._dir("single")), weights(self._dir("cluster"))
+        self.assertCountEqual(want, got)
+        for key in want:
+            self.assertAllClose(want[key], got[key], rtol=1e-5, atol=1e-6, msg=key)
+        # The chief alone wrote the run's files; each task its input position.
+        self.assertEqual(["checkpoints", "input_positions", "model_analysis.txt", "params.txt",
+                          "train"], sorted(os.listdir(self._dir("cluster"))))
+        self.assertEqual([f"task_{i}" for i in range(n)], sorted(os.listdir(
+            os.path.join(self._dir("cluster"), "input_positions", f"{n}_tasks"))))
+        want = weights(self._dir("mesh"))
         for key in want:
             self.assertAllEqual(want[key], got[key], msg=key)
-        self._assert_each_task_read_its_shard(clusters["n3_k2"])
+        self._assert_each_task_read_its_shard(tasks)
 
     def _assert_each_task_read_its_shard(self, tasks: list[Task]) -> None:
         n = len(tasks)
