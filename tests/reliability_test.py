@@ -128,8 +128,9 @@ class StopSignalTest(tf.test.TestCase):
     periodic save), then resumed; the result must equal an uninterrupted run's."""
 
     VICTIMS = {
-        "sigint": "fetched:7=SIGINT",
         # SIGTERM, then a second signal while the checkpoint of the first is being written.
+        # (SIGINT is handled as SIGTERM is; a SIGINT mid-run, and twice more while stopping:
+        # fault_messages_test.InterruptTest.)
         "second_signal": "fetched:7=SIGTERM,saving:7=SIGINT",
         # Steps 5 and 6 are summarised, then lost with the process: the resume retrains them.
         "sigkill": "fetched:7=SIGKILL",
@@ -190,10 +191,6 @@ class StopSignalTest(tf.test.TestCase):
         self.assertEqual(full_status, 0, full_err)
         _assert_bit_identical(self, _ckpt_values(_ckpt(logdir, SIGNAL_STEPS)),
                               _ckpt_values(_ckpt(self.full, SIGNAL_STEPS)))
-
-    def test_sigint_between_fetch_and_step_resumes_exactly(self) -> None:
-        self._check_stopped("sigint", signal.SIGINT)
-        self._check_resumed_exactly("sigint")
 
     def test_resumed_curves_have_one_point_per_step(self) -> None:
         # Issue 17.7: after a SIGKILL at step 7 and a resume from ckpt-4, TensorBoard showed
