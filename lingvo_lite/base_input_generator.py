@@ -12,6 +12,10 @@ example's position in the (shuffled, repeated) stream. The same params therefore
 batches on every run and machine, each epoch still sees fresh augmentations, and an iterator
 restored from a checkpoint continues exactly where it stopped (the position counter is part of the
 iterator state; there is no hidden random-generator state).
+
+tf.data combines `p.seed` with TensorFlow's global seed, so the shuffle order also follows
+`tf.random.set_seed` (and `keras.utils.set_random_seed`): trainer.py sets it only with `--seed`,
+the same in every task; a program that sets its own gets another order, the same on every run.
 """
 
 from __future__ import annotations
