@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 
 import tensorflow as tf
@@ -17,6 +18,7 @@ from conftest import launch_trainer, random_xy_batch, tanh_stack_with_loss
 
 from lingvo_lite import fprop_context
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.training import options, runner
 
 
 class FPropAndGradsArgumentsTest(tf.test.TestCase):
@@ -43,14 +45,24 @@ class FPropAndGradsArgumentsTest(tf.test.TestCase):
 class BatchSplitMessagesTest(tf.test.TestCase):
 
     def test_micro_batches_not_dividing_the_batch_is_one_line(self):
-        for mode in ("check_equivalence", "inspect_model"):
-            proc = launch_trainer("--model=tests.testdata_models.TinyMlp", f"--mode={mode}",
-                                  "--num_micro_batches=3", stderr=subprocess.STDOUT)
-            out = proc.communicate(timeout=300)[0]
-            self.assertEqual(1, proc.returncode, msg=out)
-            self.assertNotIn("Traceback", out)
-            errors = [line for line in out.splitlines() if line.startswith("trainer.py: error:")]
-            self.assertEqual(
-                [f"trainer.py: error: --mode={mode}: PipeliningLayer 'network': "
-                 "num_micro_batches=3 does not divide the mini-batch size 16; choose one of "
-                 "[1, 2, 4, 8, 16] or change the batch size."], errors, msg=out)
+        def expected(mode: str) -> list[str]:
+            return [f"trainer.py: error: --mode={mode}: PipeliningLayer 'network': "
+                    "num_micro_batches=3 does not divide the mini-batch size 16; choose one of "
+                    "[1, 2, 4, 8, 16] or change the batch size."]
+
+        # check_equivalence printed a traceback around the message: a real trainer.py.
+        proc = launch_trainer("--model=tests.testdata_models.TinyMlp",
+                              "--mode=check_equivalence", "--num_micro_batches=3",
+                              stderr=subprocess.STDOUT)
+        out = proc.communicate(timeout=300)[0]
+        self.assertEqual(1, proc.returncode, msg=out)
+        self.assertNotIn("Traceback", out)
+        errors = [line for line in out.splitlines() if line.startswith("trainer.py: error:")]
+        self.assertEqual(expected("check_equivalence"), errors, msg=out)
+        # inspect_model exited 0 without naming the problem: runner.main, in-process.
+        out, err = io.StringIO(), io.StringIO()
+        status = runner.main(options.RunOptions(
+            model="tests.testdata_models.TinyMlp", mode="inspect_model", num_micro_batches=3),
+            out=out, err=err)
+        self.assertEqual(1, status, msg=out.getvalue())
+        self.assertEqual(expected("inspect_model"), err.getvalue().splitlines())
