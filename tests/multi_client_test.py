@@ -10,7 +10,7 @@ noise, batch norm and dropout (tests/multi_client_models.py):
   their global batch (positions from the unsharded input, computed here), and cover it;
 - only the chief wrote the run's files; every task saved its input position.
 Two tasks: against one process with K = 2 and ZeRO-1 (zero1_test.py); with K = 1, bit for bit
-an uninterrupted two-task run after four faults (multi_client_faults_test.py).
+an uninterrupted two-task run after two faults (multi_client_faults_test.py).
 Keras (item 4): `PipelinedModel.fit` in both tasks of a TF_CONFIG cluster (K=2 each, dropout,
 Adam) ends on the weights of plain `keras.Sequential.fit` in this process (rtol 1e-5).
 Processes are stopped by PID.
