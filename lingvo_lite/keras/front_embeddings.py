@@ -35,7 +35,7 @@ from lingvo_lite.keras import graph_layer, keras_layer
 from lingvo_lite.keras.graph_trace import GraphNode, GraphPlan
 from lingvo_lite.nested_map import NestedMap
 
-__all__ = ["FrontEmbeddings", "check_sparse_gradients", "split"]
+__all__ = ["FrontEmbeddings", "check_sparse_gradients", "refuse_summed_embeddings", "split"]
 
 
 def _runs_in_front(plan: GraphPlan, i: int) -> bool:
@@ -119,19 +119,32 @@ class FrontEmbeddings:
 def check_sparse_gradients(plan: GraphPlan, optimizer: keras.optimizers.Optimizer) -> None:
     """Refuses (one line) a non-SGD optimizer with a trainable embedding that is only looked
     up inside the pipeline (see the module doc)."""
+    dense = {id(n.layer) for n in plan.nodes if n.call["kwargs"].get("reverse") is True}
+    refuse_summed_embeddings(
+        [n.layer for n in plan.nodes
+         if isinstance(n.layer, keras.layers.Layer) and id(n.layer) not in dense],
+        optimizer, "sums the gradient of an embedding it runs, and runs those not looked up "
+        "from the model's inputs", "use SGD or freeze the embedding (trainable=False)")
+
+
+def refuse_summed_embeddings(layers: list[keras.layers.Layer],
+                             optimizer: keras.optimizers.Optimizer, how: str, fix: str) -> None:
+    """Refuses (one line) a non-SGD optimizer with a trainable Embedding in (or inside) `layers`.
+
+    Keras hands an embedding's gradient to the optimizer as IndexedSlices with one row per
+    occurrence of a token, and an optimizer that squares the gradient (Adam, RMSprop, ...)
+    squares each occurrence separately; the pipeline's gradient of an embedding it runs is the
+    dense sum over micro-batches, which only a linear update (SGD) treats the same. `how` says
+    which embeddings the pipeline sums, `fix` what the user can do.
+    """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if isinstance(inner, keras.optimizers.SGD):
         return
-    dense = {id(n.layer) for n in plan.nodes if n.call["kwargs"].get("reverse") is True}
-    for node in plan.nodes:
-        if not isinstance(node.layer, keras.layers.Layer) or id(node.layer) in dense:
-            continue
-        for sub in node.layer._flatten_layers(include_self=True, recursive=True):
+    for layer in layers:
+        for sub in layer._flatten_layers(include_self=True, recursive=True):
             if isinstance(sub, keras.layers.Embedding) and sub.trainable:
                 raise ValueError(
                     f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
                     f"trainable Embedding '{sub.name}' would train differently from plain "
                     "Keras (which squares each token occurrence's gradient separately; the "
-                    "pipeline sums the gradient of an embedding it runs, and runs those not "
-                    "looked up from the model's inputs): use SGD or freeze the embedding "
-                    "(trainable=False).")
+                    f"pipeline {how}): {fix}.")

@@ -71,7 +71,7 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
-from lingvo_lite.keras import keras_buckets, keras_layer, keras_loss, multi_worker
+from lingvo_lite.keras import front_embeddings, keras_buckets, keras_layer, keras_loss, multi_worker
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets as pipeline_buckets
 from lingvo_lite.pipeline import pipelining_layer, process_group
@@ -302,7 +302,10 @@ class PipelinedModel(keras.Model):
                 "step for one device, and the pipeline places each cell on its own); leave "
                 "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
-        self._check_sparse_gradients(optimizer)
+        front_embeddings.refuse_summed_embeddings(
+            [layer.keras_layer for layer in self.pipeline.layers[:-1]], optimizer,
+            "sums an embedding's gradient first", "use SGD, freeze the embedding "
+            "(trainable=False), or make it the first layer (it then runs before the pipeline)")
         single_loss = _single(loss, "loss")
         weight = _single(loss_weights, "loss_weights")
         if weight is not None and not isinstance(weight, (int, float)):
@@ -315,25 +318,6 @@ class PipelinedModel(keras.Model):
                         metrics=metrics, weighted_metrics=weighted_metrics,
                         run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
                         jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
-
-    def _check_sparse_gradients(self, optimizer: keras.optimizers.Optimizer) -> None:
-        # Keras hands an embedding's gradient to the optimizer as IndexedSlices with one
-        # row per occurrence of a token, and an optimizer that squares the gradient (Adam,
-        # RMSprop, ...) squares each occurrence separately; the pipeline's gradient is the
-        # dense sum over micro-batches, which only a linear update (SGD) treats the same.
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if isinstance(inner, keras.optimizers.SGD):
-            return
-        for layer in self.pipeline.layers[:-1]:
-            for sub in layer.keras_layer._flatten_layers(include_self=True, recursive=True):
-                if isinstance(sub, keras.layers.Embedding) and sub.trainable:
-                    raise ValueError(
-                        f"PipelinedModel.compile: optimizer {type(inner).__name__} with the "
-                        f"trainable Embedding '{sub.name}' would train differently from plain "
-                        "Keras (which squares each token occurrence's gradient separately; the "
-                        "pipeline sums an embedding's gradient first): use SGD, freeze the "
-                        "embedding (trainable=False), or make it the first layer (it then runs "
-                        "before the pipeline).")
 
     def _resolve_auto_jit_compile(self) -> bool:
         # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
