@@ -22,6 +22,11 @@ import tensorflow as tf
 from lingvo_lite.keras import PipelinedModel
 
 VOCAB, TOL = 11, 1e-5
+# A gradient that is zero in exact arithmetic comes out as float32 rounding noise: a few units of
+# float32's eps (1.2e-7) of the largest gradient. Real gradients here are 2e-5 of it or more.
+ZERO_GRADIENT_FRACTION = 1e-6
+# Such a weight moves less than this fraction of the largest move of a trained weight.
+INERT_MOVE_FRACTION = 1e-2
 BOUNDARIES, SIZES = [9, 17, 33], [8, 4, 2, 1]
 BUCKETS = [(8, 8), (4, 16), (2, 32)]
 
@@ -59,6 +64,24 @@ def _loss() -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _inert_weights(model: keras.Model) -> set[int]:
+    """Indices of the weights whose gradient is zero in exact arithmetic (the attention's key
+    bias: softmax ignores what it adds to every score of a row): at most ZERO_GRADIENT_FRACTION
+    of the largest gradient element on every batch."""
+    largest, per_weight = 0.0, np.zeros(len(model.trainable_weights))
+    for x, y in _dataset().take(8):
+        with tf.GradientTape() as tape:
+            loss = _loss()(y, model(x))
+        grads = [np.abs(tf.convert_to_tensor(g).numpy()).max()
+                 for g in tape.gradient(loss, model.trainable_weights)]
+        largest = max(largest, *grads)
+        per_weight = np.maximum(per_weight, grads)
+    trainable = {id(v): i for i, v in enumerate(model.trainable_weights)}
+    floor = ZERO_GRADIENT_FRACTION * largest
+    return {i for i, v in enumerate(model.weights)
+            if id(v) in trainable and per_weight[trainable[id(v)]] <= floor}
+
+
 class _CellTraces(keras.callbacks.Callback):
     """The pipeline's per-cell trace counts after the first step (one bucket seen)."""
 
@@ -92,8 +115,19 @@ class KerasBucketsTest(tf.test.TestCase):
                                  validation_data=_dataset())
         for key in ("loss", "val_loss"):  # Evaluation runs the buckets unsplit, any shape.
             self.assertAllClose(expected.history[key], history.history[key], rtol=TOL)
-        for want, got in zip(reference.get_weights(), pipelined.get_weights(), strict=True):
-            self.assertAllClose(want, got, rtol=TOL, atol=TOL)
+        inert = _inert_weights(make_model())
+        self.assertLessEqual(len(inert), 1)  # At most the attention's key bias.
+        moves = [np.abs(w - w0).max() for w, w0 in zip(reference.get_weights(), initial)]
+        for i, (want, got) in enumerate(zip(reference.get_weights(), pipelined.get_weights(),
+                                            strict=True)):
+            if i in inert:
+                # Its gradient is rounding noise, which an optimizer that normalises each
+                # gradient (Adam) turns into moves that no rounding bound limits: both runs
+                # must only have left it (almost) where it was, against the trained moves.
+                for moved in (want - initial[i], got - initial[i]):
+                    self.assertLess(np.abs(moved).max(), INERT_MOVE_FRACTION * max(moves))
+            else:
+                self.assertAllClose(want, got, rtol=TOL, atol=TOL)
         # Every bucket occurs: one train-step trace each, and each cell traced for each
         # bucket as often as for the first, however many steps ran.
         self.assertGreater(traces.steps, 3 * len(BUCKETS))
