@@ -112,3 +112,18 @@ def random_xy_batch(batch: int, width: int, num_classes: int):
     rng = np.random.default_rng(0)
     return NestedMap(x=tf.constant(rng.normal(size=(batch, width)), tf.float32),
                      labels=tf.constant(rng.integers(0, num_classes, size=batch), tf.int32))
+
+
+def twin(model):
+    """A copy of a plain Keras model with its own variables (values and seed states).
+
+    `PipelinedModel(model)` trains `model`'s own variables, so a reference that trains or
+    draws random numbers beside the pipeline must be another model: pipeline `twin(model)`
+    and keep `model` as the plain reference.
+    """
+    import keras
+
+    copy = keras.models.clone_model(model)
+    for a, b in zip(copy.variables, model.variables, strict=True):
+        a.assign(b)
+    return copy

@@ -103,7 +103,7 @@ class KerasBucketsTest(tf.test.TestCase):
     def _check_fit(self, make_model, optimizer, epochs, **pipeline):
         reference = make_model()
         initial = reference.get_weights()
-        pipelined = PipelinedModel(reference, num_cells=2, num_micro_batches=2,
+        pipelined = PipelinedModel(make_model(), num_cells=2, num_micro_batches=2,
                                    input_buckets=BUCKETS, **pipeline)
         pipelined.compile(optimizer=optimizer(), loss=_loss())
         traces = _CellTraces(pipelined)

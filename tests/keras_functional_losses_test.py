@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import twin
 from keras_functional_test import (
     DICT_LOSS,
     dict_batch,
@@ -37,7 +38,7 @@ def data(n: int = 8):
 
 def assert_step(model: keras.Model, loss, x, y, sample_weight=None, loss_weights=None,
                 **pipeline) -> None:
-    pipelined = PipelinedModel(model, **pipeline)
+    pipelined = PipelinedModel(twin(model), **pipeline)
     for m in (model, pipelined):
         m.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
     with tf.GradientTape() as tape:
@@ -87,7 +88,7 @@ def test_fit_with_sum_sample_and_class_weights(optimizer):
     y = (np.arange(16) % 3).astype("int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     model = skip_model()
-    pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=4)
+    pipelined = PipelinedModel(twin(model), num_cells=2, num_micro_batches=4)
     start = model.get_weights()
     for m in (model, pipelined):
         m.compile(optimizer=keras.optimizers.get(optimizer), loss=loss, loss_weights=[0.5])
@@ -124,7 +125,7 @@ def test_embedding_looked_up_from_an_input_trains_exactly(optimizer):
     x, y = padded_tokens(16), np.arange(16) % 5
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model = masked_sequence_model(pooled=True)
-    pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=4)
+    pipelined = PipelinedModel(twin(model), num_cells=2, num_micro_batches=4)
     assert [p.name for p in pipelined.pipeline.params.layers][0] == "node_0_d1"
     start = model.get_weights()
     for m in (model, pipelined):

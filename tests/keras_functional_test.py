@@ -97,12 +97,23 @@ def plain_loss_and_grads(model: keras.Model, x, y):
     return loss, tape.gradient(loss, model.trainable_variables)
 
 
+def plain_step_keeping_state(model: keras.Model, x, y):
+    """`plain_loss_and_grads`, then the model's variables as they were: the pipeline trains
+    the model's own variables, so the plain step's side effects (dropout seeds, batch-norm
+    statistics) must not reach the pipelined step it is compared with."""
+    before = [v.numpy() for v in model.variables]
+    result = plain_loss_and_grads(model, x, y)
+    for v, value in zip(model.variables, before, strict=True):
+        v.assign(value)
+    return result
+
+
 def check_step(model: keras.Model, loss, x, y, loss_weights=None, **pipeline) -> float:
     """Asserts the pipelined loss and gradients equal the plain model's; the max diff."""
     pipelined = PipelinedModel(model, **pipeline)
     pipelined.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
     model.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
-    want_loss, want = plain_loss_and_grads(model, x, y)
+    want_loss, want = plain_step_keeping_state(model, x, y)
     got_loss, got = pipelined.loss_and_gradients(x, y)
     assert abs(float(got_loss) - float(want_loss)) < 1e-5
     assert len(got) == len(want) == len(model.trainable_variables)
@@ -116,8 +127,8 @@ def check_step(model: keras.Model, loss, x, y, loss_weights=None, **pipeline) ->
 
 
 def check_fit(make_model, loss, x, y, optimizer: str, **pipeline) -> float:
-    model = make_model()
-    pipelined = PipelinedModel(model, **pipeline)
+    model = make_model()  # The reference: its own variables (the pipeline trains its model's).
+    pipelined = PipelinedModel(make_model(), **pipeline)
     pipelined.compile(optimizer=keras.optimizers.get(optimizer), loss=loss)
     model.compile(optimizer=keras.optimizers.get(optimizer), loss=loss)
     pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -235,8 +246,9 @@ def test_weights_in_the_original_layout(tmp_path):
     fresh.load_weights(path)
     for a, b in zip(fresh.get_weights(), pipelined.get_weights()):
         np.testing.assert_array_equal(a, b)
-    pipelined.set_weights(model.get_weights())
-    np.testing.assert_allclose(pipelined.predict(x, verbose=0), model.predict(x, verbose=0),
+    other = task_with_backbone()  # Untrained: other weights than the pipeline's now.
+    pipelined.set_weights(other.get_weights())
+    np.testing.assert_allclose(pipelined.predict(x, verbose=0), other.predict(x, verbose=0),
                                atol=1e-6)
 
 
@@ -381,7 +393,7 @@ def test_mixed_precision_fit_matches_plain(policy):
         x, y = batch(16)
         model = skip_model()
         initial = model.get_weights()
-        pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=1)
+        pipelined = PipelinedModel(skip_model(), num_cells=2, num_micro_batches=1)
         pipelined.compile(optimizer="sgd", loss="mse")
         model.compile(optimizer="sgd", loss="mse")
         pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -398,7 +410,7 @@ def test_mixed_precision_fit_matches_plain(policy):
         pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
         pipelined.compile(optimizer="sgd", loss="mse")
         model.compile(optimizer="sgd", loss="mse")
-        _, want = plain_loss_and_grads(model, x[:8], y[:8])
+        _, want = plain_step_keeping_state(model, x[:8], y[:8])
         _, got = pipelined.loss_and_gradients(x[:8], y[:8])
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),

@@ -46,8 +46,8 @@ def bert_batch(n: int, seed: int = 0):
 
 @pytest.mark.parametrize("num_cells,num_micro_batches", [(1, 2), (2, 1), (4, 4)])
 def test_bert_classifier_step_matches_plain(num_cells, num_micro_batches):
-    model = bert_classifier()
-    pipelined = PipelinedModel(model, input_shape=BERT_SHAPES, num_cells=num_cells,
+    model = bert_classifier()  # The plain reference; the pipeline trains its own twin.
+    pipelined = PipelinedModel(bert_classifier(), input_shape=BERT_SHAPES, num_cells=num_cells,
                                num_micro_batches=num_micro_batches)
     x, y = bert_batch(8)
     assert_step_matches(model, pipelined, x, y)
@@ -60,8 +60,8 @@ def test_bert_classifier_fit_matches_plain():
     # Keras gives the token and segment embeddings' gradients to the optimizer as one
     # row per token occurrence (squared row by row); they run before the pipeline
     # (front_embeddings.py) and get that gradient from the pipeline's input gradient.
-    model = bert_classifier()
-    pipelined = PipelinedModel(model, input_shape=BERT_SHAPES, num_cells=2,
+    model = bert_classifier()  # The plain reference; the pipeline trains its own twin.
+    pipelined = PipelinedModel(bert_classifier(), input_shape=BERT_SHAPES, num_cells=2,
                                num_micro_batches=2, schedule="1f1b")
     assert "node_0_token_embedding" not in [p.name for p in pipelined.pipeline.params.layers]
     model.compile(optimizer="adam", loss=LOSS)

@@ -66,8 +66,8 @@ def assert_step_matches(model: keras.Model, pipelined: PipelinedModel, x, y) -> 
     (4, 2, "1f1b", "always"),
 ])
 def test_gpt2_causal_lm_step_matches_plain(num_cells, num_micro_batches, schedule, remat):
-    model = gpt2_causal_lm()
-    pipelined = PipelinedModel(model, input_shape=SHAPES, num_cells=num_cells,
+    model = gpt2_causal_lm()  # The plain reference; the pipeline trains its own twin.
+    pipelined = PipelinedModel(gpt2_causal_lm(), input_shape=SHAPES, num_cells=num_cells,
                                num_micro_batches=num_micro_batches, schedule=schedule,
                                remat=remat)
     pipe = pipelined.pipeline
@@ -91,9 +91,9 @@ def test_gpt2_causal_lm_step_matches_plain(num_cells, num_micro_batches, schedul
 
 def test_gpt2_causal_lm_fit_matches_plain():
     # Adam, the optimizer these models train with (plain SGD: keras_hub_vision_test.py).
-    model = gpt2_causal_lm()
-    pipelined = PipelinedModel(model, input_shape=SHAPES, num_cells=2, num_micro_batches=2,
-                               schedule="1f1b", remat="always")
+    model = gpt2_causal_lm()  # The plain reference; the pipeline trains its own twin.
+    pipelined = PipelinedModel(gpt2_causal_lm(), input_shape=SHAPES, num_cells=2,
+                               num_micro_batches=2, schedule="1f1b", remat="always")
     model.compile(optimizer="adam", loss=LOSS)
     pipelined.compile(optimizer="adam", loss=LOSS)
     x, y = token_batch(16, seed=1)

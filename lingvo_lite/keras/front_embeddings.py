@@ -73,18 +73,16 @@ def _refs(outputs: Any) -> Any:
 
 
 class FrontEmbeddings:
-    """The front embedding layers, built on `device` with the model's weights."""
+    """The model's own front embedding layers, their variables moved to `device`."""
 
     def __init__(self, nodes: list[GraphNode], plan: GraphPlan, device: str) -> None:
         self.nodes = nodes
         self.masked = {n.outputs[0] for n in nodes if n.outputs[0] in plan.masks}
-        self.layers = []
-        for node in nodes:
-            with tf.device(device):
-                layer = keras_layer.deserialize(keras_layer.serialize(node.layer))
-                shape = plan.specs[graph_layer.tensor_keys(node.call)[0]][0]
-                layer.build((None, *shape))
-            self.layers.append(layer)
+        self.layers = [node.layer for node in nodes]
+        with tf.device(device):
+            for layer in self.layers:
+                for v in layer.variables:
+                    keras_layer.adopt_variable(v, f"front.{layer.name}.{v.name}")
         self.device = device
 
     @property

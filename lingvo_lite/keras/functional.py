@@ -86,8 +86,12 @@ def _weight_keys(layer: keras.layers.Layer) -> list[str]:
     return [keys[id(v)] for v in layer.trainable_variables + layer.non_trainable_variables]
 
 
-def layer_params(plan: GraphPlan) -> list[Any]:
-    """The pipeline layers of `plan`: one per node, then the outputs, then the loss."""
+def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
+    """The pipeline layers of `plan`: one per node, then the outputs, then the loss.
+
+    `live`: each node runs the user's layer object (PipelinedModel); otherwise it is rebuilt
+    from its config where the layer is instantiated (a registered task's Params).
+    """
     shared = {n.first_call for n in plan.nodes if n.first_call is not None}
     prefixes = {i: f"w_{plan.nodes[i].name}__" for i in shared}
     weight_keys = {i: _weight_keys(plan.nodes[i].layer) for i in shared}
@@ -106,17 +110,21 @@ def layer_params(plan: GraphPlan) -> list[Any]:
         specs = {k: [list(plan.specs[k][0]), plan.specs[k][1]] for k in reads + node.outputs}
         specs.update({graph_layer.mask_key(k): [list(plan.masks[k][0]), plan.masks[k][1]]
                       for k in node.outputs if k in plan.masks})
-        config = keras_layer.serialize(node.layer)
+        if live:
+            handle = keras_layer.LiveLayer(node.layer)
+            layer = dict(keras_layer=handle.description, live_layer=handle)
+        else:
+            layer = dict(keras_layer=keras_layer.serialize(node.layer))
         if node.first_call is None and isinstance(node.layer, keras.layers.Layer):
             _check_regularizers(node.layer, allow_weight_regularizers=True)
             keras_layer.check_supported(node.layer)
             p = graph_layer.GraphNodeLayer.Params().Set(
-                keras_layer=config, export_prefix=prefixes.get(i),
-                input_shape=list(plan.specs[reads[0]][0]) if reads else [1])
+                export_prefix=prefixes.get(i),
+                input_shape=list(plan.specs[reads[0]][0]) if reads else [1], **layer)
         else:
             p = graph_layer.SharedNodeLayer.Params().Set(
-                keras_layer=config,
-                import_prefix=None if node.first_call is None else prefixes[node.first_call])
+                import_prefix=None if node.first_call is None else prefixes[node.first_call],
+                **layer)
         params.append(p.Set(name=f"node_{i}_{node.name}", call=node.call, outputs=node.outputs,
                             specs=specs, drop=sorted(set(drops.get(i, []))),
                             masks_in=[k for k in dict.fromkeys(reads) if k in plan.masks],
@@ -134,16 +142,18 @@ def layer_params(plan: GraphPlan) -> list[Any]:
 
 def functional_pipeline_params(model: keras.Model, num_cells: int = 1,
                                cost_batch_size: int = 1, name: str = "keras_pipeline",
-                               plan: GraphPlan | None = None, **pipeline: Any) -> Any:
+                               plan: GraphPlan | None = None, live: bool = False,
+                               **pipeline: Any) -> Any:
     """PipeliningLayer params of a functional model's nodes, its outputs and a loss layer.
 
+    `live`: the nodes run the model's own layer objects (see `layer_params`).
     `pipeline`: the other `PipeliningLayer.Params()` fields (num_micro_batches, remat,
     schedule, placement, partition_method, split_points, serial_devices, ...).
     """
     if plan is None:
         plan = trace_model(model)
     with tf.Graph().as_default():
-        layers = layer_params(plan)
+        layers = layer_params(plan, live=live)
     shapes = NestedMap({k: tf.TensorShape([cost_batch_size, *plan.specs[k][0]])
                         for k in plan.input_keys})
     shapes.update({graph_layer.mask_key(k): tf.TensorShape([cost_batch_size, *plan.masks[k][0]])
@@ -211,8 +221,7 @@ class FunctionalPipelinedModel(PipelinedModel):
                         micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
                         placement=placement, partition_method=partition_method,
                         split_points=split_points, serial_devices=serial_devices)
-        self._config = dict(layers=keras.saving.serialize_keras_object(model),
-                            input_shape=input_shape, cost_batch_size=cost_batch_size,
+        self._config = dict(input_shape=input_shape, cost_batch_size=cost_batch_size,
                             input_buckets=input_buckets, **settings)
         # Buckets: built, traced for costs and planned for the largest (keras_buckets.py).
         names = keras_buckets.functional_input_names(model)
@@ -228,24 +237,21 @@ class FunctionalPipelinedModel(PipelinedModel):
             settings["input_buckets"] = keras_buckets.functional_pipeline_buckets(
                 declared, dict(zip(names, plan.input_keys)), front_nodes, pipe_plan.input_keys)
         params = functional_pipeline_params(model, cost_batch_size=cost_batch_size,
-                                            plan=pipe_plan, **settings)
+                                            plan=pipe_plan, live=True, **settings)
+        # Each node runs the model's own layer object; its variables now read and write the
+        # pipeline's (each on its cell's device): training trains `model` itself.
         pipeline = params.Instantiate()
         front = (front_embeddings.FrontEmbeddings(front_nodes, plan, pipeline.devices[0])
                  if front_nodes else None)
-        plain = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
-        owners = [(node.layer, layer.keras_layer) for node, layer in
-                  zip(pipe_plan.nodes, pipeline.layers)
-                  if isinstance(layer, graph_layer.GraphNodeLayer)]
-        if front is not None:
-            owners += [(node.layer, layer) for node, layer in zip(front_nodes, front.layers)]
-        _share_variables(model, plain, owners)
-        self.plain = plain
+        _check_every_variable_owned(model, pipeline, front)
+        self.plain = model
         self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan,
                                buckets=declared, input_names=names, pipe_plan=pipe_plan,
                                front=front)
         position = {id(leaf): i for i, leaf in enumerate(pipeline.theta.Flatten())}
         # Index into the pipeline's gradients, or None for a front embedding's variables.
-        self._hidden.grad_index = [position.get(id(v.value)) for v in plain.trainable_variables]
+        self._hidden.grad_index = [position.get(id(v.value))
+                                   for v in model.trainable_variables]
         self.built = True
 
     def partition_report(self, batch_size: int | None = None) -> str:
@@ -391,6 +397,10 @@ class FunctionalPipelinedModel(PipelinedModel):
     def compute_output_shape(self, input_shape: Any) -> Any:
         return self.plain.compute_output_shape(input_shape)
 
+    def get_config(self) -> dict[str, Any]:
+        return dict(self._config, layers=keras.saving.serialize_keras_object(self.plain),
+                    name=self.name)
+
     @classmethod
     def from_config(cls, config: dict[str, Any],
                     custom_objects: Any = None) -> FunctionalPipelinedModel:
@@ -399,34 +409,13 @@ class FunctionalPipelinedModel(PipelinedModel):
         return cls(model, **config)
 
 
-def _share_variables(model: keras.Model, plain: keras.Model,
-                     owners: list[tuple[keras.layers.Layer, keras.layers.Layer]]) -> None:
-    """Copies the model's weights into the layers that own them in the pipeline (`owners`:
-    (the model's layer, its copy) pairs) and makes `plain`'s variables those (same
-    tf.Variables), so `plain` has the original layout."""
-    user_layers = list(model._flatten_layers(include_self=False, recursive=True))
-    plain_layers = list(plain._flatten_layers(include_self=False, recursive=True))
-    if [type(a) for a in user_layers] != [type(b) for b in plain_layers]:
-        raise ValueError(f"PipelinedModel: {type(model).__name__} rebuilt from its config has "
-                         "other layers than the model; its get_config is incomplete.")
-    position = {id(layer): i for i, layer in enumerate(user_layers)}
-    for source, copy in zip(user_layers, plain_layers):
-        # keras-hub backbones rebuild their layers from constructor arguments: a frozen
-        # layer would come back trainable.
-        copy.trainable = source.trainable
-    shared = set()
-    for user, owner in owners:
-        target = plain_layers[position[id(user)]]
-        triples = list(zip(user.variables, owner.variables, target.variables))
-        if not (len(user.variables) == len(owner.variables) == len(target.variables)) or any(
-                tuple(a.shape) != tuple(b.shape) for a, b, _ in triples):
-            raise ValueError(f"PipelinedModel: the weights of Keras layer '{user.name}' do "
-                             "not match its rebuilt copy; is its config complete?")
-        for source, owned, alias in triples:
-            owned.assign(source.value)
-            alias._value = owned._value  # What the TF backend's Variable reads and writes.
-            shared.add(id(alias))
-    missing = [v.path for v in plain.variables if id(v) not in shared]
+def _check_every_variable_owned(model: keras.Model, pipeline: Any, front: Any) -> None:
+    """Refuses (one line) a model with variables that no pipelined layer trains."""
+    owned = {id(v) for layer in pipeline.layers if isinstance(layer, graph_layer.GraphNodeLayer)
+             for v in layer.keras_layer.variables}
+    if front is not None:
+        owned |= {id(v) for layer in front.layers for v in layer.variables}
+    missing = [v.path for v in model.variables if id(v) not in owned]
     if missing:
         raise ValueError(f"PipelinedModel: variables {missing[:3]} of the model are used by no "
                          "pipelined layer.")

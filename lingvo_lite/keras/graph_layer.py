@@ -113,10 +113,12 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
         kwargs["training"] = training
     mapping = (list(zip(layer.trainable_variables, trainable))
                + list(zip(layer.non_trainable_variables, non_trainable)))
-    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
+    with keras_backend.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
         before = [scope.get_current_value(v) for v in layer.non_trainable_variables]
         outputs = layer(*args, **kwargs)
         after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+        if scope.losses:
+            raise ValueError(keras_layer.added_loss_error(layer))
     return tree.flatten(outputs), [a is not b for a, b in zip(after, before)]
 
 
@@ -158,30 +160,34 @@ def _shape_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any])
 
 
 @functools.lru_cache(maxsize=1024)
-def _node_cost(p_json: str, batch: int) -> tuple[float, int, int]:
-    """(flops, params, non-trainable params) of one node on a batch, from its JSON."""
+def _config_node_cost(p_json: str, batch: int) -> tuple[float, int, int]:
+    """`_node_cost` of a node rebuilt from its JSON (built in a graph: nothing allocated)."""
     d = json.loads(p_json)
     with tf.Graph().as_default():
-        layer = _build(d["keras_layer"], d["call"], d["specs"])
-        if not isinstance(layer, keras.layers.Layer):
-            flops = float(sum(math.prod([batch, *d["specs"][k][0]]) for k in d["outputs"]))
-            return flops, 0, 0
-        in_keys = tensor_keys(d["call"])
-        shapes = [[batch, *d["specs"][k][0]] for k in in_keys]
-        out_shape = [batch, *d["specs"][d["outputs"][0]][0]]
-        flops = None
-        if d["call"]["kwargs"].get("reverse") is True and isinstance(
-                layer, keras.layers.Embedding):
-            # A tied embedding used as the output projection (GPT-2's LM head): a matmul.
-            flops = 2.0 * math.prod(out_shape) * shapes[0][-1]
-        elif len(in_keys) == 1 and d["specs"][in_keys[0]][1].startswith("float"):
-            flops, _ = keras_flops.layer_flops(layer, shapes, out_shape)
-        else:
-            flops = keras_flops.formula_flops(layer, shapes, out_shape)
-            if flops is None:
-                flops = _measured_flops(layer, d["call"], d["specs"], batch)
-        params = sum(math.prod(v.shape) for v in layer.weights)
-        non_trainable = sum(math.prod(v.shape) for v in layer.non_trainable_weights)
+        return _node_cost(_build(d["keras_layer"], d["call"], d["specs"]), d, batch)
+
+
+def _node_cost(layer: Any, d: dict, batch: int) -> tuple[float, int, int]:
+    """(flops, params, non-trainable params) of one node's layer on a batch."""
+    if not isinstance(layer, keras.layers.Layer):
+        flops = float(sum(math.prod([batch, *d["specs"][k][0]]) for k in d["outputs"]))
+        return flops, 0, 0
+    in_keys = tensor_keys(d["call"])
+    shapes = [[batch, *d["specs"][k][0]] for k in in_keys]
+    out_shape = [batch, *d["specs"][d["outputs"][0]][0]]
+    flops = None
+    if d["call"]["kwargs"].get("reverse") is True and isinstance(
+            layer, keras.layers.Embedding):
+        # A tied embedding used as the output projection (GPT-2's LM head): a matmul.
+        flops = 2.0 * math.prod(out_shape) * shapes[0][-1]
+    elif len(in_keys) == 1 and d["specs"][in_keys[0]][1].startswith("float"):
+        flops, _ = keras_flops.layer_flops(layer, shapes, out_shape)
+    else:
+        flops = keras_flops.formula_flops(layer, shapes, out_shape)
+        if flops is None:
+            flops = _measured_flops(layer, d["call"], d["specs"], batch)
+    params = sum(math.prod(v.shape) for v in layer.weights)
+    non_trainable = sum(math.prod(v.shape) for v in layer.non_trainable_weights)
     return float(flops), int(params), int(non_trainable)
 
 
@@ -203,6 +209,16 @@ def _measured_flops(layer: Any, call: Any, specs: dict, batch: int) -> float:
     return flops or float(sum(math.prod(s.shape) for s in tensor_specs))
 
 
+def _node_layer(p: hyperparams.Params) -> Any:
+    """The node's Keras layer (or op): the user's object, else rebuilt in a graph (only its
+    structure is used: shapes, weight keys)."""
+    live = keras_layer.live_layer_of(p)
+    if live is not None:
+        return live
+    with tf.Graph().as_default():
+        return _build(p.keras_layer, p.call, p.specs)
+
+
 def _build(config: Any, call: Any, specs: dict) -> Any:
     """A fresh Keras layer (or op) from its config, built for the node's input specs."""
     layer = keras_layer.deserialize(config)
@@ -217,7 +233,12 @@ def _cost_meta(p: hyperparams.Params, inputs: NestedMap, extra: dict[str, Any],
     out = _shape_meta(p, inputs, extra)
     batch = int(_batch_of(p, inputs))
     d = dict(keras_layer=p.keras_layer, call=p.call, specs=p.specs, outputs=p.outputs)
-    flops, params, non_trainable = _node_cost(json.dumps(d, sort_keys=True, default=str), batch)
+    live = keras_layer.live_layer_of(p)
+    if live is not None:
+        flops, params, non_trainable = _node_cost(live, d, batch)
+    else:
+        flops, params, non_trainable = _config_node_cost(
+            json.dumps(d, sort_keys=True, default=str), batch)
     if not own_weights:
         params = non_trainable = 0
     return base_layer.fprop_meta(flops, out, params, p.fprop_dtype or p.dtype,
@@ -264,11 +285,10 @@ class GraphNodeLayer(keras_layer.KerasLayer):
     def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
         extra = {}
         if p.export_prefix:
-            with tf.Graph().as_default():
-                layer = _build(p.keras_layer, p.call, p.specs)
-                keys = keras_layer.variable_keys(layer)
-                extra = {p.export_prefix + keys[id(v)]: tf.TensorShape(v.shape)
-                         for v in layer.trainable_variables + layer.non_trainable_variables}
+            layer = _node_layer(p)
+            keys = keras_layer.variable_keys(layer)
+            extra = {p.export_prefix + keys[id(v)]: tf.TensorShape(v.shape)
+                     for v in layer.trainable_variables + layer.non_trainable_variables}
         return _cost_meta(p, inputs, extra, own_weights=True)
 
 
@@ -280,6 +300,8 @@ class SharedNodeLayer(base_layer.BaseLayer):
     def Params(cls) -> hyperparams.InstantiableParams:
         p = _node_params(super().Params())
         p.Define("keras_layer", None, "The Keras layer's (or op's) serialized config.")
+        p.Define("live_layer", None, "The user's Keras layer (or op) object (a LiveLayer), "
+                 "run as it is unless keras_layer is overridden.")
         p.Define("import_prefix", None,
                  "Map prefix of the weights of the layer's first call (None: no weights).")
         return p
@@ -287,9 +309,7 @@ class SharedNodeLayer(base_layer.BaseLayer):
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
         super().__init__(params)
         p = self.params
-        # Built in a graph: only its structure is used (the weights come from the map).
-        with tf.Graph().as_default():
-            layer = _build(p.keras_layer, p.call, p.specs)
+        layer = _node_layer(p)  # Its weights come from the map.
         object.__setattr__(self, "_layer", layer)
         self._weight_keys: tuple[list[str], list[str]] = ([], [])
         if isinstance(layer, keras.layers.Layer):

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import re
@@ -60,11 +61,16 @@ from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = [
+    "added_loss_error",
+    "adopt_variable",
     "check_call_state",
+    "describe",
+    "LiveLayer",
     "check_supported",
     "deserialize",
     "iter_keras_layers",
     "KerasLayer",
+    "live_layer_of",
     "mask_key",
     "serialize",
     "variable_keys",
@@ -73,6 +79,52 @@ __all__ = [
 _DROPOUT_CLASSES = (keras.layers.Dropout,)  # SpatialDropout1D/2D/3D subclass Dropout.
 _NOISE_CLASSES = (keras.layers.GaussianNoise, keras.layers.GaussianDropout)
 _local = threading.local()
+
+
+class LiveLayer:
+    """The user's own Keras layer object, carried by Params by reference.
+
+    Copies of the Params share it (a layer and its weights are not copied), and two
+    handles are equal when they hold the same object. Its text form names the class and
+    the layer; the Params' `keras_layer` entry beside it shows the layer's config.
+
+    Example:
+        >>> dense = keras.layers.Dense(4, name='d')
+        >>> handle = LiveLayer(dense)
+        >>> copy.deepcopy(handle).layer is dense, handle
+        (True, <live Dense 'd'>)
+    """
+
+    def __init__(self, layer: keras.layers.Layer) -> None:
+        self.layer = layer
+        self.description = describe(layer)
+
+    def __deepcopy__(self, memo: dict) -> LiveLayer:
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LiveLayer) and other.layer is self.layer
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<live {type(self.layer).__name__} '{self.layer.name}'>"
+
+
+def describe(layer: Any) -> dict:
+    """A layer's serialized config for display and overrides, or, when its `get_config()`
+    fails, {'class_name', 'module', 'config': {'name'}}: a layer that runs as the user's
+    object needs no config.
+
+    Example:
+        >>> describe(keras.layers.Dense(3, name='d'))['config']['units']
+        3
+    """
+    try:
+        return keras.saving.serialize_keras_object(layer)
+    except Exception:  # noqa: BLE001 - any get_config() error; the layer still runs.
+        return {"class_name": type(layer).__name__, "module": type(layer).__module__,
+                "config": {"name": getattr(layer, "name", type(layer).__name__)}}
 
 
 def serialize(layer: keras.layers.Layer) -> dict:
@@ -207,7 +259,7 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any,
     _, new, losses = stateless_call(layer, trainable, non_trainable,
                                     tf.zeros([1, *input_shape], input_dtype), None, kwargs)
     if losses:
-        raise ValueError(_added_loss_error(layer))
+        raise ValueError(added_loss_error(layer))
     for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
         if value is not old and id(v) not in handled:
             raise ValueError(_state_error(layer, v.path))
@@ -263,7 +315,7 @@ def stateless_call(layer: keras.layers.Layer, trainable: list[Any], non_trainabl
     return y, [scope.get_current_value(v) for v in layer.non_trainable_variables], losses
 
 
-def _added_loss_error(layer: keras.layers.Layer) -> str:
+def added_loss_error(layer: keras.layers.Layer) -> str:
     return (f"Keras layer '{layer.name}' ({type(layer).__name__}) adds a loss in its call "
             "(add_loss); the pipeline trains only the compiled loss and would drop it: "
             "compute that term in compile(loss=...) or remove it.")
@@ -395,6 +447,42 @@ def _rename(variable: Any, name: str) -> tf.Variable:
     return new
 
 
+def adopt_variable(variable: Any, name: str) -> tf.Variable:
+    """A tf.Variable on the current device holding the user's variable's value, which the
+    user's variable then reads and writes: the pipeline trains the user's model itself.
+
+    (A second pipeline over the same layer, e.g. another data-parallel replica, gets its
+    own copy; the user's variable stays with the first.)
+    """
+    old = variable.value
+    new = tf.Variable(old.read_value() if hasattr(old, "read_value") else old,
+                      trainable=variable.trainable, name=name,
+                      aggregation=getattr(old, "aggregation", None) or
+                      tf.VariableAggregation.NONE,
+                      synchronization=getattr(old, "synchronization", None) or
+                      tf.VariableSynchronization.AUTO)
+    if not getattr(variable, "_lingvo_adopted", False):
+        variable._value = new  # What the TF backend's Variable reads and writes.
+        variable._lingvo_adopted = True
+    return new
+
+
+def live_layer_of(p: hyperparams.Params) -> keras.layers.Layer | None:
+    """The user's layer object to run, or None to rebuild it from p.keras_layer (no live
+    layer, or its config overridden)."""
+    if p.live_layer is None or p.keras_layer != p.live_layer.description:
+        return None
+    return p.live_layer.layer
+
+
+def _patch_once(layer: keras.layers.Layer, patch: Any) -> None:
+    """Applies `patch` to `layer` unless done before (a live layer may be run by several
+    pipeline layers; each patched method falls back to Keras' own outside an FProp)."""
+    if not getattr(layer, "_lingvo_patched", False):
+        patch(layer)
+        object.__setattr__(layer, "_lingvo_patched", True)
+
+
 class KerasLayer(base_layer.BaseLayer):
     """Runs a Keras layer (or nested Keras model) statelessly on theta; see the module doc."""
 
@@ -409,7 +497,18 @@ class KerasLayer(base_layer.BaseLayer):
         p.Define("field", "x",
                  "When the input is a NestedMap: the entry the layer transforms (the "
                  "others pass through).")
+        p.Define("live_layer", None,
+                 "The user's Keras layer object (a LiveLayer): run as it is, on this layer's "
+                 "copies of its weights, and its variables then read and write those. "
+                 "keras_layer then only describes it; overriding an entry of keras_layer "
+                 "rebuilds the layer from the overridden config instead.")
         return p
+
+    @classmethod
+    def LiveParams(cls, layer: keras.layers.Layer, **fields: Any) -> hyperparams.Params:
+        """Params that run the user's `layer` object (see `live_layer`)."""
+        handle = LiveLayer(layer)
+        return cls.Params().Set(keras_layer=handle.description, live_layer=handle, **fields)
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
         super().__init__(params)
@@ -418,21 +517,16 @@ class KerasLayer(base_layer.BaseLayer):
             raise ValueError(f"{self.path}: p.keras_layer must be a serialized Keras layer "
                              "(keras_layer.serialize(layer)), got "
                              f"{type(p.keras_layer).__name__}.")
-        if p.input_shape is None:
-            raise ValueError(f"{self.path}: p.input_shape (one example's shape, without the "
-                             "batch dimension) is needed to build the Keras layer's weights.")
-        # Keras seeds unseeded initializers and seed generators from Python's `random`:
-        # seed it from random_seed and the layer path, so a run's initial weights repeat.
-        state = random.getstate()
-        random.seed(int.from_bytes(repr(weight_params.derive_seed(
-            p.random_seed, self.path)).encode(), "little"))
-        try:
-            layer = deserialize(p.keras_layer)
+        live = live_layer_of(p)
+        if live is not None:
+            layer = live
             check_supported(layer)
-            if not layer.built:
-                layer.build((None, *p.input_shape))
-        finally:
-            random.setstate(state)
+        else:
+            if p.input_shape is None:
+                raise ValueError(f"{self.path}: p.input_shape (one example's shape, without "
+                                 "the batch dimension) is needed to build the Keras layer's "
+                                 "weights.")
+            layer = self._rebuilt_layer(p)
         # Not tracked as a checkpoint dependency: Keras' object graph is named by
         # process-wide counters; the weights are saved through theta's stable keys.
         object.__setattr__(self, "_layer", layer)
@@ -443,7 +537,8 @@ class KerasLayer(base_layer.BaseLayer):
                                 (self._non_trainable_keys, layer.non_trainable_variables)):
             for v in variables:
                 key = key_of_variable[id(v)]
-                self._private_vars[key] = _rename(v, f"{self.path}/{key}".replace("/", "."))
+                name = f"{self.path}/{key}".replace("/", ".")
+                self._private_vars[key] = (adopt_variable if live is not None else _rename)(v, name)
                 keys.append(key)
         key_of = {id(v): k for k, v in zip(
             self._trainable_keys + self._non_trainable_keys,
@@ -452,15 +547,35 @@ class KerasLayer(base_layer.BaseLayer):
         self._random = []
         for sub in _sublayers(layer):
             if isinstance(sub, keras.layers.BatchNormalization):
-                _patch_batch_norm(sub)
+                _patch_once(sub, _patch_batch_norm)
                 self._batch_norms.append(
                     (sub, key_of[id(sub.moving_mean)], key_of[id(sub.moving_variance)]))
             elif isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES):
-                (_patch_dropout if isinstance(sub, _DROPOUT_CLASSES) else _patch_noise)(sub)
+                _patch_once(sub, _patch_dropout if isinstance(sub, _DROPOUT_CLASSES)
+                            else _patch_noise)
                 if _seed_state(sub) is not None:
                     self._random.append((sub, key_of[id(_seed_state(sub))]))
         self._handled = {k for _, m, v in self._batch_norms for k in (m, v)}
         self._handled.update(k for _, k in self._random)
+
+    def _rebuilt_layer(self, p: hyperparams.Params) -> keras.layers.Layer:
+        """A fresh layer from p.keras_layer (a registered task's layers, or an override of a
+        live layer's config), built for p.input_shape."""
+        # Keras seeds unseeded initializers and seed generators from Python's `random`:
+        # seed it from random_seed and the layer path, so a run's initial weights repeat.
+        state = random.getstate()
+        random.seed(int.from_bytes(repr(weight_params.derive_seed(
+            p.random_seed, self.path)).encode(), "little"))
+        try:
+            if p.live_layer is not None:  # Overridden: the config must round-trip.
+                layer_config.rebuildable_config(p.live_layer.layer)
+            layer = deserialize(p.keras_layer)
+            check_supported(layer)
+            if not layer.built:
+                layer.build((None, *p.input_shape))
+        finally:
+            random.setstate(state)
+        return layer
 
     @property
     def keras_layer(self) -> keras.layers.Layer:
@@ -489,7 +604,7 @@ class KerasLayer(base_layer.BaseLayer):
             y, new_non_trainable, losses = stateless_call(
                 self._layer, trainable, non_trainable, x, mask, kwargs)
         if losses:
-            raise ValueError(_added_loss_error(self._layer))
+            raise ValueError(added_loss_error(self._layer))
         for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
             if new is not old and key not in self._handled:
                 raise ValueError(_state_error(self._layer, key))
@@ -557,9 +672,11 @@ class KerasLayer(base_layer.BaseLayer):
             raise ValueError(f"{cls.__name__}.FPropMeta needs a fully defined input shape, "
                              f"got {shape}.")
         # Built in a graph: shapes and counts without allocating the weights or starting
-        # the TF runtime (inspect_model describes models far too large to allocate).
-        with tf.Graph().as_default():
-            layer = deserialize(p.keras_layer)
+        # the TF runtime (inspect_model describes models far too large to allocate). A
+        # live layer is already built: its shapes are computed symbolically.
+        live = live_layer_of(p)
+        with tf.Graph().as_default() if live is None else contextlib.nullcontext():
+            layer = live if live is not None else deserialize(p.keras_layer)
             batch_shape = tuple(shape.as_list())
             if not layer.built:
                 layer.build((None, *batch_shape[1:]))

@@ -121,6 +121,23 @@ def _keras_layer_params(layers: Any, input_shape: Sequence[int],
     return layer_params
 
 
+def _live_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
+    """KerasLayer params that run the user's own layer objects, each built (by a symbolic
+    call, as Keras builds a model's layers) for the shape Keras infers for its input."""
+    layer_params = []
+    spec = keras.KerasTensor((None, *input_shape))
+    for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
+        _check_regularizers(layer, allow_weight_regularizers=True)
+        keras_layer.check_supported(layer)
+        shape, dtype = list(spec.shape[1:]), spec.dtype
+        spec = layer.compute_output_spec(spec) if layer.built else layer(spec)
+        with tf.Graph().as_default():  # Nothing runs: the call is traced only.
+            keras_layer.check_call_state(layer, shape, dtype)
+        layer_params.append(keras_layer.KerasLayer.LiveParams(
+            layer, name=f"keras_{i}_{layer.name}", input_shape=shape))
+    return layer_params
+
+
 def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
                     num_micro_batches: int | None = None, micro_batch_size: int | None = None,
                     remat: str = "except_last", schedule: str = "gpipe",
@@ -129,7 +146,7 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
                     loss: Any = None, cost_batch_size: int = 1,
                     name: str = "keras_pipeline",
                     allow_weight_regularizers: bool = False,
-                    input_buckets: Sequence[Any] | None = None) -> Any:
+                    input_buckets: Sequence[Any] | None = None, live: bool = False) -> Any:
     """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
 
     `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
@@ -143,7 +160,8 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     adds their penalty itself; a trainer.py task would silently drop it); activity
     regularizers are always refused. `input_buckets`: PipeliningLayer.input_buckets (the
     pipeline input's mini-batch shapes, NestedMaps with `x`); costs are then planned for
-    the largest.
+    the largest. `live`: the layers run as the user's objects (PipelinedModel; their
+    variables then read and write the pipeline's), else they are rebuilt from their configs.
 
     Example:
         >>> p = pipeline_params([keras.layers.Dense(8), keras.layers.Dense(2)], (4,),
@@ -153,10 +171,13 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     """
     # Probe layers are built in a graph: no TensorFlow op runs, so a registered model's
     # Task() can call this before trainer.py configures the devices.
-    with tf.Graph().as_default():
-        if callable(layers) and not isinstance(layers, keras.layers.Layer):
-            layers = layers()
-        layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
+    if live:
+        layer_params = _live_layer_params(layers, input_shape)
+    else:
+        with tf.Graph().as_default():
+            if callable(layers) and not isinstance(layers, keras.layers.Layer):
+                layers = layers()
+            layer_params = _keras_layer_params(layers, input_shape, allow_weight_regularizers)
     if loss is not None:
         check_task_loss(loss, "pipeline_params")
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
@@ -228,7 +249,6 @@ class PipelinedModel(keras.Model):
             input_shape = _input_shape_of(layers)
         input_shape = tuple(int(d) for d in input_shape)
         self._config = dict(
-            layers=[keras_layer.serialize(layer) for layer in sources],
             input_shape=list(input_shape), num_cells=num_cells,
             num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
             remat=remat, schedule=schedule, placement=placement,
@@ -242,14 +262,14 @@ class PipelinedModel(keras.Model):
         if len(sources) > 1 and isinstance(sources[0], keras.layers.Embedding) and \
                 sources[0].trainable:
             front_source, sources = sources[0], sources[1:]
-        pipe_input_shape, probe = input_shape, None
+        pipe_input_shape = input_shape
         if front_source is not None:
-            with tf.Graph().as_default():
-                probe = keras_layer.deserialize(keras_layer.serialize(front_source))
-                pipe_input_shape = tuple(probe.compute_output_shape((None, *input_shape))[1:])
+            if not front_source.built:
+                front_source.build((None, *input_shape))
+            pipe_input_shape = tuple(front_source.compute_output_shape((None, *input_shape))[1:])
         pipe_buckets = None if not declared else keras_buckets.pipeline_buckets_of(
             declared, {"x": "x"},
-            None if probe is None else lambda _, s: probe.compute_output_shape(s))
+            None if front_source is None else lambda _, s: front_source.compute_output_shape(s))
         params = pipeline_params(
             sources, pipe_input_shape, num_cells=num_cells,
             num_micro_batches=num_micro_batches,
@@ -257,25 +277,24 @@ class PipelinedModel(keras.Model):
             placement=placement, partition_method=partition_method,
             split_points=split_points, serial_devices=serial_devices,
             cost_batch_size=cost_batch_size, allow_weight_regularizers=True,
-            input_buckets=pipe_buckets)
+            input_buckets=pipe_buckets, live=True)
+        # Each pipelined layer runs the user's own layer object, whose variables now read and
+        # write the pipeline's (each on its cell's device): training trains them.
         pipeline = params.Instantiate()
         wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
-        for source, target in zip(sources, wrapped):
-            _copy_state(source, target)
-        front = None
-        if front_source is not None:
+        front = front_source
+        if front is not None:
             with tf.device(pipeline.devices[0]):
-                front = keras_layer.deserialize(keras_layer.serialize(front_source))
-                front.build((None, *input_shape))
-            _copy_state(front_source, front)
+                for v in front.variables:
+                    keras_layer.adopt_variable(v, f"front.{front.name}.{v.name}")
             wrapped.insert(0, front)
-        # The same layer objects (hence variables) as a plain Sequential: Keras tracks and
+        # The user's layer objects (hence variables) in a plain Sequential: Keras tracks and
         # saves the weights through it, in the Sequential's layout.
         self.plain = keras.Sequential(
             [keras.Input(keras_buckets.plain_shape(declared, "x", input_shape)), *wrapped],
             name="layers")
         self._hidden = _Hidden(pipeline=pipeline, batch_size=None, front=front,
-                               buckets=declared, input_names=["x"])
+                               buckets=declared, input_names=["x"], sources=wrapped)
         flat = pipeline.theta.Flatten()
         position = {id(leaf): i for i, leaf in enumerate(flat)}
         # Index into the pipeline's gradients, or None for the front layer's variables.
@@ -517,7 +536,8 @@ class PipelinedModel(keras.Model):
             "same layers (PipelinedModel.save_weights or the plain Sequential's).")
 
     def get_config(self) -> dict[str, Any]:
-        return dict(self._config, name=self.name)
+        layers = [keras_layer.serialize(layer) for layer in self._hidden.sources]
+        return dict(self._config, layers=layers, name=self.name)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PipelinedModel:
@@ -579,15 +599,6 @@ def _input_shape_of(layers: Any) -> tuple[int, ...]:
             pass
     raise ValueError("PipelinedModel: pass input_shape (one example's shape, e.g. (8, 8, 1)), "
                      "or a keras.Sequential that starts with keras.Input.")
-
-
-def _copy_state(source: keras.layers.Layer, target: keras.layers.Layer) -> None:
-    """Copies the user's layer's variables (weights, seed states) into the wrapped copy."""
-    src, dst = source.variables, target.variables
-    if len(src) != len(dst) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(src, dst)):
-        return  # Not built yet: the copy keeps its own initial values.
-    for a, b in zip(src, dst):
-        b.assign(a.value)
 
 
 def _training_batch_size(x: Any, batch_size: int | None, validation_split: float) -> int | None:
