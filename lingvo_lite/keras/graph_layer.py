@@ -262,7 +262,9 @@ class GraphNodeLayer(keras_layer.KerasLayer):
         ctx = fprop_context.current()
         trainable = [theta[k] for k in self._trainable_keys]
         non_trainable = [theta[k] for k in self._non_trainable_keys]
-        with keras_layer._Recording(keras_layer._Recorder(ctx)) as rec:
+        with keras_layer._Recording(keras_layer._Recorder(ctx)) as rec, \
+                keras_layer.refusing_raw_random(self._layer,
+                                                check=ctx.training and self._check_random()):
             outputs, changed = _call_node(self._layer, p, inputs, trainable, non_trainable,
                                           ctx.training)
         for key, was_changed in zip(self._non_trainable_keys, changed):

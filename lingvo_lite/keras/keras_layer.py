@@ -70,6 +70,7 @@ __all__ = [
     "deserialize",
     "iter_keras_layers",
     "KerasLayer",
+    "refusing_raw_random",
     "live_layer_of",
     "mask_key",
     "serialize",
@@ -236,10 +237,11 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any,
                      input_dtype: Any = tf.float32) -> None:
     """Raises a ValueError naming any weight a training call of `layer` writes that
     lingvo-lite cannot make exact (all but batch norm's statistics and seed states),
-    and any layer that adds a loss in its call (add_loss).
+    any layer that adds a loss in its call (add_loss), and any that draws random numbers
+    outside Keras' seed generators.
 
     Runs the layer once on zeros of one example; call it inside `tf.Graph().as_default()`
-    so nothing executes (pipeline_params does).
+    or a traced function so nothing executes (pipeline_params does).
 
     Example:
         >>> with tf.Graph().as_default():
@@ -256,8 +258,9 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any,
     trainable = [tf.zeros(v.shape, v.dtype) for v in layer.trainable_variables]
     non_trainable = [tf.zeros(v.shape, v.dtype) for v in layer.non_trainable_variables]
     kwargs = {"training": True} if getattr(layer, "_call_has_training_arg", True) else {}
-    _, new, losses = stateless_call(layer, trainable, non_trainable,
-                                    tf.zeros([1, *input_shape], input_dtype), None, kwargs)
+    with refusing_raw_random(layer):
+        _, new, losses = stateless_call(layer, trainable, non_trainable,
+                                        tf.zeros([1, *input_shape], input_dtype), None, kwargs)
     if losses:
         raise ValueError(added_loss_error(layer))
     for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
@@ -313,6 +316,36 @@ def stateless_call(layer: keras.layers.Layer, trainable: list[Any], non_trainabl
         y = layer(x, **kwargs)
         losses = list(scope.losses)
     return y, [scope.get_current_value(v) for v in layer.non_trainable_variables], losses
+
+
+# Ops that draw from a random state outside Keras' seed generators (tf.random.*, the old
+# tf.compat.v1 ops, tf.random.Generator): each micro-batch and each recomputation would draw
+# its own values.
+_STATEFUL_RANDOM_OPS = frozenset({
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "Multinomial", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "RngReadAndSkip", "RngSkip"})
+
+
+@contextlib.contextmanager
+def refusing_raw_random(layer: Any, check: bool = True) -> Iterator[None]:
+    """Raises a one-line ValueError if the ops the block traces draw random numbers outside
+    Keras' seed generators (checked when tracing a graph, and only if `check`)."""
+    graph = tf.compat.v1.get_default_graph()
+    if not check or tf.executing_eagerly():
+        yield
+        return
+    before = len(graph.get_operations())
+    yield
+    drawn = sorted({op.type for op in graph.get_operations()[before:]} & _STATEFUL_RANDOM_OPS)
+    if drawn:
+        raise ValueError(
+            f"Keras layer '{layer.name}' ({type(layer).__name__}) draws random numbers outside "
+            f"Keras' seed generators ({drawn[0]}: tf.random.* or tf.random.Generator), which "
+            "would differ for every micro-batch and recomputation; draw the noise with a "
+            "keras.layers.Dropout or GaussianNoise layer, or keep the layer out of the pipeline.")
 
 
 def added_loss_error(layer: keras.layers.Layer) -> str:
@@ -600,7 +633,8 @@ class KerasLayer(base_layer.BaseLayer):
         non_trainable = [theta[k] for k in self._non_trainable_keys]
         kwargs = {"training": ctx.training} if getattr(
             self._layer, "_call_has_training_arg", True) else {}
-        with _Recording(_Recorder(ctx)) as rec:
+        with _Recording(_Recorder(ctx)) as rec, refusing_raw_random(
+                self._layer, check=ctx.training and self._check_random()):
             y, new_non_trainable, losses = stateless_call(
                 self._layer, trainable, non_trainable, x, mask, kwargs)
         if losses:
@@ -632,6 +666,14 @@ class KerasLayer(base_layer.BaseLayer):
         if out_mask is not None or mask is not None:
             out.Set(mask_key(field), out_mask)
         return out
+
+    def _check_random(self) -> bool:
+        """True at this layer's first traced training call (its ops are read once)."""
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(self, "_random_checked_in", None) is graph:
+            return False
+        object.__setattr__(self, "_random_checked_in", graph)
+        return True
 
     @property
     def uses_batch_statistics(self) -> bool:

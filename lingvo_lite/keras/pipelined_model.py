@@ -131,8 +131,10 @@ def _live_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
         keras_layer.check_supported(layer)
         shape, dtype = list(spec.shape[1:]), spec.dtype
         spec = layer.compute_output_spec(spec) if layer.built else layer(spec)
-        with tf.Graph().as_default():  # Nothing runs: the call is traced only.
-            keras_layer.check_call_state(layer, shape, dtype)
+        # Nothing runs: the call is traced only (in a function, which can capture the
+        # layer's eager constants, e.g. an adapted Normalization's mean).
+        tf.function(lambda layer=layer, shape=shape, dtype=dtype: keras_layer.check_call_state(
+            layer, shape, dtype), autograph=False).get_concrete_function()
         layer_params.append(keras_layer.KerasLayer.LiveParams(
             layer, name=f"keras_{i}_{layer.name}", input_shape=shape))
     return layer_params
