@@ -16,6 +16,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from lingvo_lite import devices  # noqa: E402
@@ -36,6 +38,19 @@ tf.test.TestCase.test_session = None
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Files that compare pipelined numbers with plain TensorFlow or Keras at float tolerances. They
+# carry the `numerics` marker: the README's test command runs them a second time with oneDNN
+# off (TF_ENABLE_ONEDNN_OPTS=0), so both kernel families are exercised on whatever CPU runs
+# the suite (oneDNN's default and its kernels depend on the CPU).
+NUMERICS_FILES = frozenset({
+    "amoebanet_consistency_test.py", "batch_norm_test.py", "dropout_test.py",
+    "keras_buckets_test.py", "keras_functional_losses_test.py", "keras_functional_test.py",
+    "keras_hub_models_test.py", "keras_hub_test.py", "keras_hub_vision_test.py",
+    "keras_layer_test.py", "keras_own_layers_test.py", "keras_settings_test.py",
+    "loop_executor_test.py", "mesh_test.py", "pipeline_api_test.py", "pipeline_test.py",
+    "pipelined_model_test.py", "zbv_schedule_test.py"})
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """Files with a `slow` test first, each file's tests in their order.
 
@@ -44,6 +59,9 @@ def pytest_collection_modifyitems(items: list) -> None:
     the one-test end-to-end files last). Long files first, so the short ones fill the workers'
     ends instead of one long file running alone at the end.
     """
+    for item in items:
+        if item.path.name in NUMERICS_FILES:
+            item.add_marker(pytest.mark.numerics)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
 

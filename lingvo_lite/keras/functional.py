@@ -17,6 +17,10 @@ A trainable embedding looked up from the model's inputs (BERT's token and segmen
 embeddings) runs before the pipeline instead (front_embeddings.py), so that Adam and
 other optimizers get Keras' per-occurrence gradient and train it exactly.
 
+Each node runs the model's own layer object (no config round trip: layer classes need no
+`build()`, registration or working `get_config()`), and the model's variables read and write
+the pipeline's: training trains the model itself (`self.plain` is the user's model).
+
 `FunctionalPipelinedModel` trains it with `compile`/`fit` (several inputs and outputs as
 the model declares them: dicts or lists; one loss per output; Keras masks carried beside
 their tensors; mixed precision), `predict` returns the model's outputs, and
@@ -204,8 +208,8 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
 @keras.saving.register_keras_serializable(package="lingvo_lite")
 class FunctionalPipelinedModel(PipelinedModel):
     """`PipelinedModel` of a functional Keras model (see the module doc); made by
-    `PipelinedModel(model, ...)`. `plain` is a copy of the model whose variables are the
-    pipeline's (each on its cell's device)."""
+    `PipelinedModel(model, ...)`. `plain` is the user's model, whose variables now read and
+    write the pipeline's (each on its cell's device)."""
 
     def __init__(self, layers: keras.Model, input_shape: Any = None,
                  num_cells: int = 1, num_micro_batches: int | None = None,

@@ -3,7 +3,8 @@
 Give it the layers of a `keras.Sequential` (or the Sequential itself) and the
 pipeline's K, T, re-materialisation, schedule and placement; `compile`, `fit`,
 `evaluate`, `predict` and Keras callbacks work as for the Sequential. Each Keras layer
-becomes a `KerasLayer` (its weights on its cell's device) and the compiled loss a
+becomes a `KerasLayer` that runs the user's own layer object (its weights on its cell's
+device, which the layer's variables then read and write) and the compiled loss a
 `KerasLossLayer` at the end of a `PipeliningLayer`; `train_step` runs
 `PipeliningLayer.FPropAndGrads` and hands the gradients to the Keras optimizer.
 
@@ -211,7 +212,8 @@ class PipelinedModel(keras.Model):
 
     Args:
       layers: a list of Keras layers, or a `keras.Sequential` (its layers are used, and
-        its weights, including dropout seed states, copied when it is built).
+        own layer objects run, and their variables, dropout seed states included, then
+        read and write the pipeline's: training trains them).
       input_shape: one example's shape; taken from the Sequential's input if omitted.
       num_cells, num_micro_batches, micro_batch_size, remat, schedule, placement,
       partition_method, split_points, serial_devices: as in `PipeliningLayer.Params()`.
