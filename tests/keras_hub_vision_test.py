@@ -94,7 +94,9 @@ def test_layer_without_a_working_config_runs_as_the_users_object():
     model = deit_classifier()
     pipelined = PipelinedModel(deit_classifier(), num_cells=2, num_micro_batches=2)
     x = np.random.default_rng(4).normal(size=(8, 16, 16, 3)).astype("float32")
-    assert_step_matches(model, pipelined, x, np.arange(8) % 3)
+    # Its gradients reach 10 (the class token's): 8 float32 eps of that scale (oneDNN off,
+    # measured 4.6e-7 of it there).
+    assert_step_matches(model, pipelined, x, np.arange(8) % 3, relative=1e-6)
     # Overriding its settings needs the config: refused in one line.
     encoder = next(p for p in pipelined.pipeline.params.layers if p.name.endswith("encoder"))
     overridden = encoder.Copy()
