@@ -79,10 +79,8 @@ class FrontEmbeddings:
         self.nodes = nodes
         self.masked = {n.outputs[0] for n in nodes if n.outputs[0] in plan.masks}
         self.layers = [node.layer for node in nodes]
-        with tf.device(device):
-            for layer in self.layers:
-                for v in layer.variables:
-                    keras_layer.adopt_variable(v, f"front.{layer.name}.{v.name}")
+        for layer in self.layers:
+            keras_layer.adopt_layer_variables(layer, device)
         self.device = device
 
     @property

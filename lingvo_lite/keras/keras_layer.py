@@ -62,6 +62,7 @@ from lingvo_lite.nested_map import NestedMap
 
 __all__ = [
     "added_loss_error",
+    "adopt_layer_variables",
     "adopt_variable",
     "check_call_state",
     "describe",
@@ -498,6 +499,14 @@ def adopt_variable(variable: Any, name: str) -> tf.Variable:
         variable._value = new  # What the TF backend's Variable reads and writes.
         variable._lingvo_adopted = True
     return new
+
+
+def adopt_layer_variables(layer: keras.layers.Layer, device: str) -> None:
+    """`adopt_variable` for every variable of a layer that runs outside the pipeline (a
+    front embedding), on `device`."""
+    with tf.device(device):
+        for v in layer.variables:
+            adopt_variable(v, f"front.{layer.name}.{v.name}")
 
 
 def live_layer_of(p: hyperparams.Params) -> keras.layers.Layer | None:

@@ -288,9 +288,7 @@ class PipelinedModel(keras.Model):
         wrapped = [layer.keras_layer for layer in pipeline.layers[:-1]]
         front = front_source
         if front is not None:
-            with tf.device(pipeline.devices[0]):
-                for v in front.variables:
-                    keras_layer.adopt_variable(v, f"front.{front.name}.{v.name}")
+            keras_layer.adopt_layer_variables(front, pipeline.devices[0])
             wrapped.insert(0, front)
         # The user's layer objects (hence variables) in a plain Sequential: Keras tracks and
         # saves the weights through it, in the Sequential's layout.
