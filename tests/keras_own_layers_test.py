@@ -180,3 +180,73 @@ def test_what_cannot_be_exact_is_refused_in_one_line(middle, expected):
             pipelined.fit(x, y, batch_size=8, verbose=0)
 
         assert refusal(build_and_fit).startswith(expected)
+
+
+class TiedHead(keras.layers.Layer):
+    """Logits against the token embedding of another layer (OPT's and GPT-2's LM head): its
+    only weight belongs to a sublayer of the embedding layer called earlier."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+def tied_lm() -> keras.Model:
+    keras.utils.set_random_seed(35)
+    ids = keras.Input((LENGTH,), dtype="int32", name="ids")
+    embed = TokenAndPositionEmbedding(VOCAB, LENGTH, DIM, name="embed")
+    h = TransformerBlock(DIM, 2, name="block")(embed(ids))
+    h = keras.layers.Dense(DIM, activation="tanh", name="hidden")(h)
+    return keras.Model(ids, TiedHead(embed.tokens, name="head")(h))
+
+
+@pytest.mark.parametrize("num_cells", [1, 2, 3])
+def test_weight_shared_through_a_sublayer_is_one_variable(num_cells):
+    # The head's weight is the token embedding inside 'embed': one variable, and its gradient
+    # the sum of both uses', as plain Keras computes it.
+    x, _ = token_batch()
+    y = np.roll(x, -1, axis=1)
+    pipelined_model = tied_lm()
+    check_step(tied_lm(), SPARSE_XENT, x, y, num_cells=num_cells, num_micro_batches=2)
+    pipelined = PipelinedModel(pipelined_model, num_cells=num_cells, num_micro_batches=2)
+    assert len(pipelined.trainable_variables) == len(pipelined_model.trainable_variables)
+
+
+def test_weight_shared_through_a_sublayer_fit_matches_plain():
+    x, _ = token_batch(16)
+    check_fit(tied_lm, SPARSE_XENT, x, np.roll(x, -1, axis=1), "sgd", num_cells=2,
+              num_micro_batches=2)
+
+
+class Widened(keras.layers.Layer):
+    """An earlier layer's Dense inside, plus a weight of its own."""
+
+    def __init__(self, inner: keras.layers.Layer, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.extra = keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.extra(self.inner(x))
+
+
+def test_weight_shared_beside_own_weights_is_refused_in_one_line():
+    inp = keras.Input((6,), name="features")
+    shared = keras.layers.Dense(6, name="shared")
+    model = keras.Model(inp, Widened(shared, name="widened")(shared(inp)))
+    assert refusal(lambda: PipelinedModel(model, num_cells=2)) == (
+        "PipelinedModel: Keras layer 'widened' uses weights of the earlier layer 'shared' "
+        "beside weights of its own; the pipeline shares weights between layers whose weights "
+        "are all shared (a layer called again, or a sublayer of an earlier layer called on its "
+        "own).")
+
+
+def test_weight_shared_in_a_layer_stack_is_refused_in_one_line():
+    embed = TokenAndPositionEmbedding(VOCAB, LENGTH, DIM, name="embed")
+    stack = keras.Sequential([keras.Input((LENGTH,), dtype="int32"), embed,
+                              TiedHead(embed.tokens, name="head")])
+    assert refusal(lambda: PipelinedModel(stack, num_cells=2)).startswith(
+        "PipelinedModel: Keras layer 'head' uses weights of the earlier layer 'embed' (")

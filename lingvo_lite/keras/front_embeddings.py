@@ -42,9 +42,9 @@ def _runs_in_front(plan: GraphPlan, i: int) -> bool:
     node = plan.nodes[i]
     reads = graph_layer.tensor_keys(node.call)
     return (isinstance(node.layer, keras.layers.Embedding) and node.layer.trainable
-            and node.first_call is None and len(node.outputs) == 1
+            and node.weights_from is None and len(node.outputs) == 1
             and node.call["kwargs"].get("reverse") is not True
-            and all(other is node or other.layer is not node.layer for other in plan.nodes)
+            and all(owner != i for other in plan.nodes for owner, _ in other.weights_from or [])
             and bool(reads) and set(reads) <= set(plan.input_keys))
 
 
@@ -54,8 +54,8 @@ def split(plan: GraphPlan) -> tuple[GraphPlan, list[GraphNode]]:
     if not front:
         return plan, []
     shift = {i: sum(f < i for f in front) for i in range(len(plan.nodes))}
-    nodes = [dataclasses.replace(n, first_call=None if n.first_call is None
-                                 else n.first_call - shift[n.first_call])
+    nodes = [dataclasses.replace(n, weights_from=None if n.weights_from is None else
+                                 [(owner - shift[owner], key) for owner, key in n.weights_from])
              for i, n in enumerate(plan.nodes) if i not in front]
     read = {k for n in nodes for k in graph_layer.tensor_keys(n.call)}
     read |= set(graph_layer.tensor_keys({"outputs": _refs(plan.outputs)}))

@@ -8,11 +8,12 @@ one opaque layer); each node becomes one pipeline layer (graph_layer.py), so the
 partitioner places the K-1 cuts by cost, and every tensor live across a cut (skip
 connections, padding masks, several inputs) crosses it in the boundary NestedMap.
 
-A layer called at several nodes (shared or tied weights: GPT-2's token embedding reused
-as the output projection) keeps one variable, on the device of its first call; that
-call also sends the weights' values down the pipeline in the map, and each later call
-reads them there, so the gradient contributions of every call flow back through the cuts
-and are summed into the one variable by the same backward that carries activations.
+A weight used at several nodes (a layer called again, or a sublayer called on its own:
+GPT-2's token embedding reused as the output projection, OPT's inside its token-and-position
+embedding) keeps one variable, on the device of its first use; that node also sends the
+weight's value down the pipeline in the map, and each later use reads it there, so the
+gradient contributions of every use flow back through the cuts and are summed into the
+one variable by the same backward that carries activations.
 A trainable embedding looked up from the model's inputs (BERT's token and segment
 embeddings) runs before the pipeline instead (front_embeddings.py), so that Adam and
 other optimizers get Keras' per-occurrence gradient and train it exactly.
@@ -70,24 +71,32 @@ __all__ = ["FunctionalPipelinedModel", "GraphPlan", "cut_report", "functional_pi
            "is_functional_model", "trace_model"]
 
 
-def _last_uses(plan: GraphPlan, prefixes: dict[int, str], weight_keys: dict[int, list[str]]
-               ) -> dict[str, int]:
+def _weight_map_key(plan: GraphPlan, node: int, key: str) -> str:
+    """The map key under which node `node` exports its weight `key` to later nodes."""
+    return f"w_{plan.nodes[node].name}__{key}"
+
+
+def _exports(plan: GraphPlan) -> dict[int, list[str]]:
+    """The weight keys each node exports (read by later nodes that share them), in order."""
+    exports: dict[int, list[str]] = {}
+    for node in plan.nodes:
+        for owner, key in node.weights_from or []:
+            if key not in exports.setdefault(owner, []):
+                exports[owner].append(key)
+    return exports
+
+
+def _last_uses(plan: GraphPlan) -> dict[str, int]:
     """The index of the last pipeline layer reading each map key (len(nodes): the outputs)."""
     last = {key: -1 for key in plan.specs}
     for i, node in enumerate(plan.nodes):
         for key in graph_layer.tensor_keys(node.call):
             last[key] = i
-        if node.first_call is not None:
-            for key in weight_keys[node.first_call]:
-                last[prefixes[node.first_call] + key] = i
+        for owner, key in node.weights_from or []:
+            last[_weight_map_key(plan, owner, key)] = i
     for key in tree.flatten(plan.outputs):
         last[key] = len(plan.nodes)
     return last
-
-
-def _weight_keys(layer: keras.layers.Layer) -> list[str]:
-    keys = keras_layer.variable_keys(layer)
-    return [keys[id(v)] for v in layer.trainable_variables + layer.non_trainable_variables]
 
 
 def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
@@ -96,10 +105,8 @@ def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
     `live`: each node runs the user's layer object (PipelinedModel); otherwise it is rebuilt
     from its config where the layer is instantiated (a registered task's Params).
     """
-    shared = {n.first_call for n in plan.nodes if n.first_call is not None}
-    prefixes = {i: f"w_{plan.nodes[i].name}__" for i in shared}
-    weight_keys = {i: _weight_keys(plan.nodes[i].layer) for i in shared}
-    last = _last_uses(plan, prefixes, weight_keys)
+    exports = _exports(plan)
+    last = _last_uses(plan)
     drops: dict[int, list[str]] = {}
     for key, i in last.items():
         if i < len(plan.nodes):
@@ -119,16 +126,16 @@ def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
             layer = dict(keras_layer=handle.description, live_layer=handle)
         else:
             layer = dict(keras_layer=keras_layer.serialize(node.layer))
-        if node.first_call is None and isinstance(node.layer, keras.layers.Layer):
+        if node.weights_from is None and isinstance(node.layer, keras.layers.Layer):
             _check_regularizers(node.layer, allow_weight_regularizers=True)
             keras_layer.check_supported(node.layer)
             p = graph_layer.GraphNodeLayer.Params().Set(
-                export_prefix=prefixes.get(i),
+                exports={key: _weight_map_key(plan, i, key) for key in exports.get(i, [])},
                 input_shape=list(plan.specs[reads[0]][0]) if reads else [1], **layer)
         else:
             p = graph_layer.SharedNodeLayer.Params().Set(
-                import_prefix=None if node.first_call is None else prefixes[node.first_call],
-                **layer)
+                imports=[_weight_map_key(plan, owner, key)
+                         for owner, key in node.weights_from or []], **layer)
         params.append(p.Set(name=f"node_{i}_{node.name}", call=node.call, outputs=node.outputs,
                             specs=specs, drop=sorted(set(drops.get(i, []))),
                             masks_in=[k for k in dict.fromkeys(reads) if k in plan.masks],
@@ -179,11 +186,10 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
         p, name = layer.params, pipeline.params.layers[i].name
         live.update({k: plan.specs[k] for k in p.outputs})
         live.update({graph_layer.mask_key(k): plan.masks[k] for k in p.masks_out})
-        if isinstance(layer, graph_layer.GraphNodeLayer) and p.export_prefix:
-            for key, v in zip(layer._trainable_keys + layer._non_trainable_keys,
-                              layer.keras_layer.trainable_variables
-                              + layer.keras_layer.non_trainable_variables):
-                live[p.export_prefix + key] = (None, list(v.shape), v.dtype)
+        if isinstance(layer, graph_layer.GraphNodeLayer):
+            for key, map_key in p.exports.items():
+                v = layer.theta[key]
+                live[map_key] = (None, list(v.shape), v.dtype.name)
         for k in p.drop:
             live.pop(k, None)
             live.pop(graph_layer.mask_key(k), None)

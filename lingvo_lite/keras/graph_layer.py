@@ -10,10 +10,11 @@ connections, masks, several inputs) crosses it in the map.
 
 - `GraphNodeLayer`: a node whose Keras layer owns its weights here (a `KerasLayer`:
   weights on the cell's device, dropout and batch norm exact under micro-batching).
-  When the layer is called again at later nodes (shared or tied weights), it also
-  puts its weights' values in the map (`export_prefix`), so they travel to the cells
-  of the later calls; their gradients flow back through the cuts into the one variable.
-- `SharedNodeLayer`: a later call of such a layer (its weights read from the map), or a
+  When later nodes use some of its weights (the layer called again, or one of its
+  sublayers called on its own: shared or tied weights), it also puts those weights'
+  values in the map (`exports`), so they travel to the cells of the later calls; their
+  gradients flow back through the cuts into the one variable.
+- `SharedNodeLayer`: a node whose layer's weights all come from the map (`imports`), or a
   Keras op without weights (`keras.ops.add` on symbolic tensors).
 - `GraphOutputLayer`: the model's outputs (a tensor, a list or a NestedMap) as `x`,
   beside the labels `y` and `sample_weight`, for `GraphLossLayer` (graph_loss.py): the
@@ -252,9 +253,9 @@ class GraphNodeLayer(keras_layer.KerasLayer):
     @classmethod
     def Params(cls) -> hyperparams.InstantiableParams:
         p = _node_params(super().Params())
-        p.Define("export_prefix", None,
-                 "If set, the layer is called again at later nodes: its weights' values are "
-                 "added to the map as <export_prefix><weight key>.")
+        p.Define("exports", {},
+                 "{weight key: map key}: weights later nodes use (the layer or a sublayer "
+                 "called again), whose values this node adds to the map.")
         return p
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
@@ -275,22 +276,20 @@ class GraphNodeLayer(keras_layer.KerasLayer):
                                  for j, (bn, _, _) in enumerate(self._batch_norms)
                                  if id(bn) in rec.moments})
             ctx.updates.add(self, NestedMap(moments=moments, draws=tf.constant(1.0)))
-        extra = {}
-        if p.export_prefix:
-            # An identity read on this cell's device: later cells receive the value, and its
-            # gradient from every later call comes back through the cuts to this variable.
-            extra = {p.export_prefix + k: tf.identity(theta[k])
-                     for k in self._trainable_keys + self._non_trainable_keys}
+        # An identity read on this cell's device: later cells receive the value, and its
+        # gradient from every later call comes back through the cuts to this variable.
+        extra = {map_key: tf.identity(theta[key]) for key, map_key in p.exports.items()}
         return _next_map(inputs, p, outputs, extra)
 
     @classmethod
     def FPropMeta(cls, p: hyperparams.Params, inputs: NestedMap) -> NestedMap:
         extra = {}
-        if p.export_prefix:
+        if p.exports:
             layer = _node_layer(p)
             keys = keras_layer.variable_keys(layer)
-            extra = {p.export_prefix + keys[id(v)]: tf.TensorShape(v.shape)
-                     for v in layer.trainable_variables + layer.non_trainable_variables}
+            shapes = {keys[id(v)]: tf.TensorShape(v.shape)
+                      for v in layer.trainable_variables + layer.non_trainable_variables}
+            extra = {map_key: shapes[key] for key, map_key in p.exports.items()}
         return _cost_meta(p, inputs, extra, own_weights=True)
 
 
@@ -304,8 +303,9 @@ class SharedNodeLayer(base_layer.BaseLayer):
         p.Define("keras_layer", None, "The Keras layer's (or op's) serialized config.")
         p.Define("live_layer", None, "The user's Keras layer (or op) object (a LiveLayer), "
                  "run as it is unless keras_layer is overridden.")
-        p.Define("import_prefix", None,
-                 "Map prefix of the weights of the layer's first call (None: no weights).")
+        p.Define("imports", [],
+                 "Map keys of the layer's weights (trainable, then non-trainable), exported "
+                 "by the earlier nodes that own them.")
         return p
 
     def __init__(self, params: hyperparams.InstantiableParams) -> None:
@@ -315,10 +315,11 @@ class SharedNodeLayer(base_layer.BaseLayer):
         object.__setattr__(self, "_layer", layer)
         self._weight_keys: tuple[list[str], list[str]] = ([], [])
         if isinstance(layer, keras.layers.Layer):
-            keys = keras_layer.variable_keys(layer)
-            self._weight_keys = ([p.import_prefix + keys[id(v)] for v in layer.trainable_variables],
-                                 [p.import_prefix + keys[id(v)]
-                                  for v in layer.non_trainable_variables])
+            count, total = len(layer.trainable_variables), len(layer.variables)
+            if total != len(p.imports):
+                raise ValueError(f"{self.path}: Keras layer '{layer.name}' has {total} "
+                                 f"variables, p.imports {len(p.imports)}.")
+            self._weight_keys = (list(p.imports[:count]), list(p.imports[count:]))
 
     def FProp(self, theta: NestedMap, inputs: NestedMap) -> NestedMap:
         del theta  # No weights of its own.

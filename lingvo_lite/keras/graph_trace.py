@@ -5,17 +5,19 @@ deepest first), expanding nested functional models (a keras-hub task's backbone)
 their layers; a subclassed layer or model stays one node. Every tensor gets a readable
 key (the name of the layer that makes it, `_1` for its second call, `_<i>` for its i-th
 output) and a static shape: dynamic dimensions (keras-hub's `(None, None)` token ids) are
-fixed by `input_shape` and Keras shape inference. A layer with weights called at several
-nodes is marked at its later calls (`GraphNode.first_call`), which take its weights from
-its first call's node.
+fixed by `input_shape` and Keras shape inference. Weights are shared by variable, not
+by layer: a node whose layer's weights all belong to earlier nodes (the same layer called
+again, or a sublayer of an earlier node's layer: an LM head calling the token embedding
+inside a token-and-position embedding) takes them from those nodes
+(`GraphNode.weights_from`), so each weight stays one variable with the summed gradient.
 
 Example:
     >>> import keras
     >>> inp = keras.Input((4,), name='features')
     >>> dense = keras.layers.Dense(4, name='tied')
     >>> plan = trace_model(keras.Model(inp, dense(dense(inp))))
-    >>> [(n.name, n.outputs, n.first_call) for n in plan.nodes]
-    [('tied', ['tied'], None), ('tied_1', ['tied_1'], 0)]
+    >>> [(n.name, n.outputs, n.weights_from) for n in plan.nodes]
+    [('tied', ['tied'], None), ('tied_1', ['tied_1'], [(0, 'kernel'), (0, 'bias')])]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import keras
 from keras.src import tree
 from keras.src.models.functional import Functional
 
-from lingvo_lite.keras import graph_layer
+from lingvo_lite.keras import graph_layer, keras_layer
 from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphNode", "GraphPlan", "is_functional_model", "trace_model"]
@@ -59,7 +61,9 @@ class GraphNode:
     layer: Any
     call: dict  # {'args': [...], 'kwargs': {...}}, tensors as graph_layer.TENSOR_REF.
     outputs: list[str]
-    first_call: int | None = None  # For a later call of a layer with weights: its first node.
+    # A node whose layer's weights all belong to earlier nodes: for each of its layer's
+    # weights (trainable, then non-trainable), (the owning node, that node's key of it).
+    weights_from: list[tuple[int, str]] | None = None
 
 
 @dataclasses.dataclass
@@ -123,7 +127,7 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
                   for t, name, shape in zip(model.inputs, *_input_names_and_shapes(model,
                                                                                    input_shape))]
     nodes: list[GraphNode] = []
-    first_call: dict[int, int] = {}
+    owner: dict[int, tuple[int, str]] = {}  # id(variable) -> (node, its key there).
     calls: dict[int, int] = {}
 
     def ref(value: Any) -> Any:
@@ -163,11 +167,7 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
                 gn = GraphNode(name, op, {"args": ref(list(node.arguments.args)),
                                           "kwargs": ref(kwargs)}, outs)
                 if isinstance(op, keras.layers.Layer) and op.variables:
-                    if id(op) in first_call:
-                        gn.first_call = first_call[id(op)]
-                        _check_shareable(op)
-                    else:
-                        first_call[id(op)] = len(nodes)
+                    gn.weights_from = _weights_from(op, owner, nodes, len(nodes))
                 nodes.append(gn)
 
     def expand(sub: Functional, node: Any, kwargs: dict) -> None:
@@ -246,6 +246,27 @@ def _infer_static_specs(plan: GraphPlan) -> None:
             if any(d is None for d in tensor.shape[1:]):
                 raise ValueError(f"PipelinedModel: tensor '{key}' has shape {tuple(tensor.shape)} "
                                  "for static inputs; the pipeline needs static shapes.")
+
+
+def _weights_from(layer: keras.layers.Layer, owner: dict[int, tuple[int, str]],
+                  nodes: list[GraphNode], index: int) -> list[tuple[int, str]] | None:
+    """Where the weights of `layer`, called at node `index`, come from (None: it owns them
+    and is recorded in `owner` as theirs)."""
+    weights = layer.trainable_variables + layer.non_trainable_variables
+    earlier = [owner.get(id(v)) for v in weights]
+    if all(e is None for e in earlier):
+        keys = keras_layer.variable_keys(layer)
+        owner.update({id(v): (index, keys[id(v)]) for v in weights})
+        return None
+    if any(e is None for e in earlier):
+        first = nodes[next(e for e in earlier if e is not None)[0]].layer
+        raise ValueError(
+            f"PipelinedModel: Keras layer '{layer.name}' uses weights of the earlier layer "
+            f"'{first.name}' beside weights of its own; the pipeline shares weights between "
+            "layers whose weights are all shared (a layer called again, or a sublayer of an "
+            "earlier layer called on its own).")
+    _check_shareable(layer)
+    return earlier
 
 
 def _check_shareable(layer: keras.layers.Layer) -> None:

@@ -127,9 +127,11 @@ def _live_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
     call, as Keras builds a model's layers) for the shape Keras infers for its input."""
     layer_params = []
     spec = keras.KerasTensor((None, *input_shape))
+    owner: dict[int, keras.layers.Layer] = {}
     for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
         _check_regularizers(layer, allow_weight_regularizers=True)
         keras_layer.check_supported(layer)
+        _refuse_shared_weights(layer, owner)
         shape, dtype = list(spec.shape[1:]), spec.dtype
         spec = layer.compute_output_spec(spec) if layer.built else layer(spec)
         # Nothing runs: the call is traced only (in a function, which can capture the
@@ -139,6 +141,20 @@ def _live_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
         layer_params.append(keras_layer.KerasLayer.LiveParams(
             layer, name=f"keras_{i}_{layer.name}", input_shape=shape))
     return layer_params
+
+
+def _refuse_shared_weights(layer: keras.layers.Layer,
+                           owner: dict[int, keras.layers.Layer]) -> None:
+    """Refuses a layer of a stack that uses an earlier layer's weights (each layer of a stack
+    holds its own copies); records its weights in `owner`."""
+    for v in layer.variables:
+        first = owner.setdefault(id(v), layer)
+        if first is not layer:
+            raise ValueError(
+                f"PipelinedModel: Keras layer '{layer.name}' uses weights of the earlier layer "
+                f"'{first.name}' ({v.path}); in a layer stack each layer holds its own: build "
+                "the model functionally (keras.Model(inputs, outputs)), where shared weights "
+                "are one variable.")
 
 
 def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
