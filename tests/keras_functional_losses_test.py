@@ -164,3 +164,48 @@ def test_embedding_inside_the_pipeline_sgd_exact_adam_refused():
         "gradient separately; the pipeline sums the gradient of an embedding it runs, and runs "
         "those not looked up from the model's inputs): use SGD or freeze the embedding "
         "(trainable=False).")
+
+
+def classifier_with_side_output() -> keras.Model:
+    keras.utils.set_random_seed(9)
+    inp = keras.Input((6,), name="features")
+    h = keras.layers.Dense(8, activation="tanh", name="h")(inp)
+    deep = keras.layers.Dense(8, activation="tanh", name="deep")(h)
+    return keras.Model(inp, [keras.layers.Dense(3, name="logits")(deep),
+                             keras.layers.Dense(2, name="side")(h)])
+
+
+@pytest.mark.parametrize("loss", [
+    [keras.losses.SparseCategoricalCrossentropy(from_logits=True), None],
+    [None, "mse"],
+])
+def test_loss_list_with_none_and_one_label_array(loss):
+    # As Keras takes it: the one label array goes to the one output with a loss; the other
+    # output gets no gradient (zero in the pipeline, None from Keras' tape).
+    x, side = data()
+    y = (np.arange(8) % 3).astype("int32") if loss[0] is not None else side[:, :2]
+    model = classifier_with_side_output()
+    pipelined = PipelinedModel(twin(model), num_cells=2, num_micro_batches=4)
+    for m in (model, pipelined):
+        m.compile(optimizer="sgd", loss=loss)
+    with tf.GradientTape() as tape:
+        want_loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+    want = tape.gradient(want_loss, model.trainable_variables)
+    got_loss, got = pipelined.loss_and_gradients(x, y)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=TOL)
+    for v, g, w in zip(model.trainable_variables, got, want):
+        np.testing.assert_allclose(g, np.zeros(v.shape) if w is None else w, atol=TOL,
+                                   err_msg=v.path)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    pipelined.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=TOL)
+
+
+def test_label_arrays_not_matching_the_losses_are_refused_in_one_line():
+    x, y = data()
+    pipelined = PipelinedModel(classifier_with_side_output(), num_cells=2)
+    pipelined.compile(optimizer="sgd", loss=["mse", "mse"])
+    assert refusal(lambda: pipelined.fit(x, y, batch_size=8, verbose=0)).endswith(
+        "1 label arrays for 2 outputs of which 2 have a loss; give one label array per "
+        "output (or per output with a loss, in order).")

@@ -116,6 +116,7 @@ class GraphLossLayer(base_layer.BaseLayer):
                 out.accuracy = keras_loss.sparse_accuracy(inputs.x, inputs.y, mask)
             return self._scaled(out, inputs)
         names = list(inputs.x) if isinstance(inputs.x, NestedMap) else range(len(inputs.x))
+        labels = self._labels_by_output(names, inputs.y)
         total = tf.constant(0.0)
         for i, name in enumerate(names):
             loss = _entry(self._spec, name, i)
@@ -123,7 +124,7 @@ class GraphLossLayer(base_layer.BaseLayer):
                 continue
             w = weights[name] if isinstance(weights, (dict, list)) else weights
             one, count = keras_loss.micro_batch_loss(
-                keras_loss.make_loss(loss), inputs.x[name], None, inputs.y[name], w, num,
+                keras_loss.make_loss(loss), inputs.x[name], None, labels[i], w, num,
                 self.path)
             if count is not None:  # check_losses refuses this in compile.
                 raise ValueError(f"{self.path}: output {name!r}'s loss divides by a count of "
@@ -132,6 +133,26 @@ class GraphLossLayer(base_layer.BaseLayer):
             total += one if factor is None else one * float(factor)
         out.loss = total
         return self._scaled(out, inputs)
+
+    def _labels_by_output(self, names: list[Any] | range, y: Any) -> list[Any]:
+        """Each output's labels. As Keras' compiled loss takes them: by name or position
+        when `y` has the outputs' structure, else its flat labels in order to the outputs
+        whose loss is not None (`loss=[fn, None]` with one label array)."""
+        if isinstance(y, dict):
+            return [y.get(name) for name in names]
+        if isinstance(y, (list, tuple)) and len(y) == len(names):
+            return list(y)
+        flat = list(y) if isinstance(y, (list, tuple)) else [y]
+        scored = [i for i, name in enumerate(names) if _entry(self._spec, name, i) is not None]
+        if len(flat) != len(scored):
+            raise ValueError(
+                f"{self.path}: {len(flat)} label arrays for {len(names)} outputs of which "
+                f"{len(scored)} have a loss; give one label array per output (or per output "
+                "with a loss, in order).")
+        labels: list[Any] = [None] * len(names)
+        for i, value in zip(scored, flat):
+            labels[i] = value
+        return labels
 
     @staticmethod
     def _scaled(out: NestedMap, inputs: NestedMap) -> NestedMap:
