@@ -431,3 +431,27 @@ def test_cost_shapes_keep_the_batch_after_a_shared_weight():
     middle = metas[1].out_shapes[0]
     assert list(middle["w_tied__kernel"]) == [8, 8] and list(middle["mid0"]) == [5, 8], middle
     assert list(metas[len(p.layers) - 3].out_shapes[0]["tied_1"]) == [5, 8]
+
+
+def encoder_decoder_on_a_masked_output() -> keras.Model:
+    """A nested decoder model called on an encoder output that carries a Keras mask (Keras
+    passes the mask itself): padded steps are skipped by the decoder's LSTM."""
+    keras.utils.set_random_seed(41)
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    h = keras.layers.Embedding(13, 8, mask_zero=True, name="emb")(ids)
+    h = keras.layers.Dense(8, activation="tanh", name="enc")(h)
+    decoder_in = keras.Input((6, 8), name="decoder_in")
+    summary = keras.layers.LSTM(8, name="lstm")(decoder_in)
+    decoder = keras.Model(decoder_in, keras.layers.Dense(3, name="out")(summary),
+                          name="decoder")
+    return keras.Model(ids, decoder(h))
+
+
+@pytest.mark.parametrize("num_cells,num_micro_batches", [(2, 2), (3, 4)])
+def test_nested_decoder_on_a_masked_encoder_output(num_cells, num_micro_batches):
+    x = np.random.default_rng(8).integers(1, 13, (8, 6)).astype("int32")
+    x[::2, 3:] = 0  # Padded examples: the mask changes what the LSTM returns.
+    y = (np.arange(8) % 3).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    check_step(encoder_decoder_on_a_masked_output(), loss, x, y, num_cells=num_cells,
+               num_micro_batches=num_micro_batches)

@@ -171,12 +171,16 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
                 nodes.append(gn)
 
     def expand(sub: Functional, node: Any, kwargs: dict) -> None:
-        masks = [m for m in tree.flatten(kwargs.get("mask")) if m is not None]
-        if masks or len(node.arguments.args) != 1 or set(kwargs) - {"mask"}:
+        outer = tree.flatten(node.arguments.args[0]) if node.arguments.args else []
+        # Keras passes the masks its inputs carry itself; they travel beside their tensors.
+        carried = [getattr(t, "_keras_mask", None) for t in outer]
+        masks = tree.flatten(kwargs.get("mask"))
+        own_masks = any(m is not None for m in masks) and not (
+            len(masks) == len(carried) and all(m is c for m, c in zip(masks, carried)))
+        if own_masks or len(node.arguments.args) != 1 or set(kwargs) - {"mask"}:
             raise ValueError(
                 f"PipelinedModel: nested model '{sub.name}' is called with arguments other than "
-                "its inputs; call it on its inputs alone.")
-        outer = tree.flatten(node.arguments.args[0])
+                "its inputs (and the masks they carry); call it on its inputs alone.")
         if len(outer) != len(sub.inputs):
             raise ValueError(f"PipelinedModel: nested model '{sub.name}' takes "
                              f"{len(sub.inputs)} inputs and is called with {len(outer)}.")
