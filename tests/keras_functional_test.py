@@ -315,10 +315,14 @@ def test_refusals_are_one_line():
     assert refusal(lambda: PipelinedModel(skip_model(), input_shape=(6, 2))).startswith(
         "PipelinedModel: input_shape for 'features' is (6, 2), but the input has shape (None, 6)")
     dynamic = keras.Input((None,), dtype="int32", name="ids")
-    assert refusal(lambda: PipelinedModel(
-        keras.Model(dynamic, keras.layers.Embedding(10, 2)(dynamic)), num_cells=1)) == (
-        "PipelinedModel: input 'ids' has shape (None, None); pass input_shape={'ids': (...), "
-        "...} (one example's static shape of every input with a dynamic dimension).")
+    unshaped = PipelinedModel(keras.Model(dynamic, keras.layers.Embedding(10, 2)(dynamic)))
+    assert refusal(lambda: unshaped.partition_report()) == (
+        "PipelinedModel: the input shapes are not known yet: they come from the first batch "
+        "that fit, evaluate, predict or loss_and_gradients sees; pass input_shape=... to plan "
+        "the pipeline before.")
+    assert refusal(lambda: unshaped.predict(iter([np.ones((2, 3), "int32")]))).startswith(
+        "PipelinedModel: the input shapes are taken from the first batch of arrays or of a "
+        "tf.data.Dataset; with list_iterator input pass input_shape=...")
     inp = keras.Input((4,))
     overridden = _CallOverridden(inp, keras.layers.Dense(2)(inp))
     assert "_CallOverridden overrides call()" in refusal(lambda: PipelinedModel(overridden))
@@ -455,3 +459,52 @@ def test_nested_decoder_on_a_masked_encoder_output(num_cells, num_micro_batches)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     check_step(encoder_decoder_on_a_masked_output(), loss, x, y, num_cells=num_cells,
                num_micro_batches=num_micro_batches)
+
+
+def dynamic_length_model() -> keras.Model:
+    """Token ids of any length (keras.Input((None,))), as every language model declares."""
+    keras.utils.set_random_seed(42)
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    h = keras.layers.Embedding(13, 8, name="emb")(ids)
+    h = keras.layers.Dense(8, activation="tanh", name="mix")(h)
+    return keras.Model(ids, keras.layers.Dense(13, name="logits")(h))
+
+
+@pytest.mark.parametrize("as_dataset", [False, True])
+def test_shapes_from_the_first_batch_without_input_shape(as_dataset):
+    # As Keras builds a model on first use: no input_shape, the pipeline planned for the
+    # first batch fit sees (arrays or a tf.data.Dataset), compile given before that.
+    x = np.random.default_rng(9).integers(0, 13, (16, 5)).astype("int32")
+    y = np.roll(x, 1, axis=1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = dynamic_length_model()
+    pipelined = PipelinedModel(dynamic_length_model(), num_cells=2, num_micro_batches=2)
+    for m in (model, pipelined):
+        m.compile(optimizer="adam", loss=loss)
+    data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)
+            if as_dataset else x)
+    pipelined.fit(data, None if as_dataset else y, batch_size=None if as_dataset else 8,
+                  epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert "cut 0 -> 1" in pipelined.partition_report(8)
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)
+
+
+def test_layer_stack_without_input_shape():
+    x, y = batch(16, out=2)
+    make = lambda: keras.Sequential([keras.layers.Dense(8, activation="tanh", name="a"),  # noqa: E731
+                                     keras.layers.Dense(2, name="b")])
+    keras.utils.set_random_seed(43)
+    model = make()
+    model.build((None, 6))
+    pipelined_layers = make()
+    pipelined_layers.build((None, 6))
+    pipelined_layers.set_weights(model.get_weights())
+    pipelined = PipelinedModel(pipelined_layers.layers, num_cells=2, num_micro_batches=2)
+    for m in (model, pipelined):
+        m.compile(optimizer="sgd", loss="mse")
+    pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
@@ -240,12 +241,28 @@ class FunctionalPipelinedModel(PipelinedModel):
             input_shape = input_shape or keras_buckets.example_shapes(
                 keras_buckets.largest(declared))
             cost_batch_size = next(iter(keras_buckets.largest(declared).values()))[0]
+        self.plain = model
+        self._hidden = _Hidden(batch_size=None, compiled=None, deferred=None, buckets=declared,
+                               input_names=names)
+        # Shapes from the first batch only where the model's inputs leave some unknown;
+        # () builds now for the model's own static shapes.
+        dynamic = any(d is None for t in model.inputs for d in t.shape[1:])
+        self._build_when_shaped(
+            input_shape if input_shape is not None or dynamic else (),
+            lambda shape: self._build(model, shape or None, cost_batch_size, settings))
+
+    def _build(self, model: keras.Model, input_shape: Any, cost_batch_size: int,
+               settings: dict[str, Any]) -> None:
+        """Traces, plans and places the pipeline for inputs of `input_shape` (None: the
+        model's own static shapes)."""
+        declared = self._hidden.buckets
         plan = trace_model(model, input_shape)
         # Embeddings looked up from the inputs run before the pipeline (front_embeddings.py).
         pipe_plan, front_nodes = front_embeddings.split(plan)
         if declared:
-            settings["input_buckets"] = keras_buckets.functional_pipeline_buckets(
-                declared, dict(zip(names, plan.input_keys)), front_nodes, pipe_plan.input_keys)
+            settings = dict(settings, input_buckets=keras_buckets.functional_pipeline_buckets(
+                declared, dict(zip(self._hidden.input_names, plan.input_keys)), front_nodes,
+                pipe_plan.input_keys))
         params = functional_pipeline_params(model, cost_batch_size=cost_batch_size,
                                             plan=pipe_plan, live=True, **settings)
         # Each node runs the model's own layer object; its variables now read and write the
@@ -254,15 +271,16 @@ class FunctionalPipelinedModel(PipelinedModel):
         front = (front_embeddings.FrontEmbeddings(front_nodes, plan, pipeline.devices[0])
                  if front_nodes else None)
         _check_every_variable_owned(model, pipeline, front)
-        self.plain = model
-        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, plan=plan,
-                               buckets=declared, input_names=names, pipe_plan=pipe_plan,
-                               front=front)
+        self._hidden.__dict__.update(pipeline=pipeline, plan=plan, pipe_plan=pipe_plan,
+                                     front=front)
         position = {id(leaf): i for i, leaf in enumerate(pipeline.theta.Flatten())}
         # Index into the pipeline's gradients, or None for a front embedding's variables.
         self._hidden.grad_index = [position.get(id(v.value))
                                    for v in model.trainable_variables]
-        self.built = True
+
+    def _example_shapes(self, x: Any) -> list[tuple[int, ...]]:
+        return [tuple(tf.TensorShape(np.shape(t))[1:])
+                for t in self.plain._standardize_inputs(x)]
 
     def partition_report(self, batch_size: int | None = None) -> str:
         """The partition table and the tensors each cut carries per micro-batch."""
@@ -285,12 +303,17 @@ class FunctionalPipelinedModel(PipelinedModel):
                 "step for one device, and the pipeline places each cell on its own); leave "
                 "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
+        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights)
+        if self._hidden.deferred is None:
+            self._compile_pipeline(optimizer, loss, loss_weights)
+        keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
+                            **kwargs)
+
+    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
         front_embeddings.check_sparse_gradients(self._hidden.pipe_plan, optimizer)
         self.pipeline.layers[-1].set_loss(
             self._by_map_name(loss, "loss"), self._by_map_name(loss_weights, "loss_weights"),
             several_outputs=not isinstance(self._hidden.plan.outputs, str))
-        keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
-                            **kwargs)
 
     # -- inputs and outputs in the model's structures --------------------------
 
@@ -330,6 +353,8 @@ class FunctionalPipelinedModel(PipelinedModel):
         return predictions
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if tf.executing_eagerly():
+            self._build_for_data(inputs)
         pipe = self.pipeline
         x = self._pipe_inputs(self._input_map(inputs))
         collector = fprop_context.UpdateCollector() if training else None
@@ -366,6 +391,7 @@ class FunctionalPipelinedModel(PipelinedModel):
             scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
             return loss, [g / tf.cast(scale, g.dtype) for g in gradients]
 
+        self._build_for_data(x)
         # Traced, as fit runs it (serial_devices=True can hang eagerly at K >= 3).
         return tf.function(step, autograph=False)(x, y, sample_weight)
 

@@ -68,6 +68,7 @@ from typing import Any
 
 import h5py
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
@@ -267,14 +268,23 @@ class PipelinedModel(keras.Model):
             input_shape = keras_buckets.example_shapes(keras_buckets.largest(declared))["x"]
         if input_shape is None:
             input_shape = _input_shape_of(layers)
-        input_shape = tuple(int(d) for d in input_shape)
         self._config = dict(
-            input_shape=list(input_shape), num_cells=num_cells,
+            input_shape=None, num_cells=num_cells,
             num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
             remat=remat, schedule=schedule, placement=placement,
             partition_method=partition_method, split_points=split_points,
             serial_devices=serial_devices, cost_batch_size=cost_batch_size,
             input_buckets=declared and [list(b["x"]) for b in declared])
+        self._hidden = _Hidden(batch_size=None, compiled=None, deferred=None, sources=sources)
+        self._build_when_shaped(input_shape, lambda shape: self._build(sources, declared, shape))
+
+    def _build(self, sources: list[keras.layers.Layer], declared: Any,
+               input_shape: Sequence[int]) -> None:
+        """Plans and places the pipeline for examples of `input_shape`."""
+        input_shape = tuple(int(d) for d in input_shape)
+        self._config["input_shape"] = list(input_shape)
+        settings = {k: v for k, v in self._config.items()
+                    if k not in ("input_shape", "input_buckets")}
         # A leading trainable Embedding runs before the pipeline, on cell 0's device: its
         # gradient is then taken as Keras takes it (one row per token occurrence, from the
         # pipeline's input gradient), which optimizers that square gradients need.
@@ -290,14 +300,8 @@ class PipelinedModel(keras.Model):
         pipe_buckets = None if not declared else keras_buckets.pipeline_buckets_of(
             declared, {"x": "x"},
             None if front_source is None else lambda _, s: front_source.compute_output_shape(s))
-        params = pipeline_params(
-            sources, pipe_input_shape, num_cells=num_cells,
-            num_micro_batches=num_micro_batches,
-            micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
-            placement=placement, partition_method=partition_method,
-            split_points=split_points, serial_devices=serial_devices,
-            cost_batch_size=cost_batch_size, allow_weight_regularizers=True,
-            input_buckets=pipe_buckets, live=True)
+        params = pipeline_params(sources, pipe_input_shape, allow_weight_regularizers=True,
+                                 input_buckets=pipe_buckets, live=True, **settings)
         # Each pipelined layer runs the user's own layer object, whose variables now read and
         # write the pipeline's (each on its cell's device): training trains them.
         pipeline = params.Instantiate()
@@ -311,21 +315,55 @@ class PipelinedModel(keras.Model):
         self.plain = keras.Sequential(
             [keras.Input(keras_buckets.plain_shape(declared, "x", input_shape)), *wrapped],
             name="layers")
-        self._hidden = _Hidden(pipeline=pipeline, batch_size=None, front=front,
-                               buckets=declared, input_names=["x"], sources=wrapped)
+        self._hidden.__dict__.update(pipeline=pipeline, front=front, buckets=declared,
+                                     input_names=["x"])
         flat = pipeline.theta.Flatten()
         position = {id(leaf): i for i, leaf in enumerate(flat)}
         # Index into the pipeline's gradients, or None for the front layer's variables.
         self._hidden.grad_index = [position.get(id(v.value))
                                    for v in self.plain.trainable_variables]
+
+    # -- shapes from the data ----------------------------------------------------
+
+    def _build_when_shaped(self, input_shape: Any, build: Any) -> None:
+        """Builds now for `input_shape`, or (None) at the first batch the model sees, as
+        Keras builds a model on first use."""
+        if input_shape is None:
+            self._hidden.deferred = build
+            return
+        build(input_shape)
         self.built = True
+
+    def _build_for_data(self, x: Any) -> None:
+        """Builds a model whose shapes were left to the data for the examples of `x` (an
+        input batch, or a tf.data.Dataset of them); then applies a compile given before."""
+        build = self._hidden.deferred
+        if build is None:
+            return
+        build(self._example_shapes(_first_inputs(x)))
+        self._hidden.deferred = None
+        self.built = True
+        if self._hidden.compiled is not None:
+            self._compile_pipeline(**self._hidden.compiled)
+
+    def _example_shapes(self, x: Any) -> Any:
+        """One example's shape of the input batch `x` (as `input_shape` takes it)."""
+        return tuple(tf.TensorShape(np.shape(x) if not tf.is_tensor(x) else x.shape)[1:])
 
     # -- the pipeline ----------------------------------------------------------
 
     @property
     def pipeline(self) -> pipelining_layer.PipeliningLayer:
         """The PipeliningLayer that runs the layers (partition, devices, schedule)."""
+        self._require_built()
         return self._hidden.pipeline
+
+    def _require_built(self) -> None:
+        if self._hidden.deferred is not None:
+            raise ValueError(
+                "PipelinedModel: the input shapes are not known yet: they come from the first "
+                "batch that fit, evaluate, predict or loss_and_gradients sees; pass "
+                "input_shape=... to plan the pipeline before.")
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, run_eagerly: bool = False,
@@ -339,6 +377,16 @@ class PipelinedModel(keras.Model):
                 "step for one device, and the pipeline places each cell on its own); leave "
                 "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
+        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights)
+        if self._hidden.deferred is None:
+            self._compile_pipeline(optimizer, loss, loss_weights)
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                        metrics=metrics, weighted_metrics=weighted_metrics,
+                        run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+                        jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
+
+    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
+        """The pipeline's side of compile: refusals and the loss layer's loss."""
         front_embeddings.refuse_summed_embeddings(
             [layer.keras_layer for layer in self.pipeline.layers[:-1]], optimizer,
             "sums an embedding's gradient first", "use SGD, freeze the embedding "
@@ -351,10 +399,6 @@ class PipelinedModel(keras.Model):
         if single_loss is not None:
             self.pipeline.layers[-1].set_loss(
                 single_loss, None if weight is None else float(weight))
-        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
-                        metrics=metrics, weighted_metrics=weighted_metrics,
-                        run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
-                        jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
 
     def _resolve_auto_jit_compile(self) -> bool:
         # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
@@ -362,6 +406,8 @@ class PipelinedModel(keras.Model):
         return False
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if tf.executing_eagerly():
+            self._build_for_data(inputs)
         pipe = self.pipeline
         x = tf.convert_to_tensor(inputs)
         collector = fprop_context.UpdateCollector() if training else None
@@ -423,6 +469,7 @@ class PipelinedModel(keras.Model):
 
         The loss is what `fit` reports for the batch: the compiled loss plus weight penalties.
         """
+        self._build_for_data(x)
         loss, gradients, _, _ = self._pipelined_step(tf.convert_to_tensor(x), y, sample_weight)
         scale = tf.cast(self.optimizer.scale_loss(tf.constant(1.0)), tf.float32)
         return loss, [g / tf.cast(scale, g.dtype) for g in gradients]
@@ -477,6 +524,7 @@ class PipelinedModel(keras.Model):
             **kwargs: Any) -> keras.callbacks.History:
         """`keras.Model.fit`; every training batch must have `batch_size` examples, or, with
         input_buckets, one of the declared shapes."""
+        self._build_for_data(x)
         if getattr(self._hidden, "buckets", None):
             return super().fit(x, y, batch_size=batch_size, **kwargs)
         size = _training_batch_size(x, batch_size, kwargs.get("validation_split", 0.0))
@@ -490,6 +538,26 @@ class PipelinedModel(keras.Model):
                 raise ValueError(f"PipelinedModel.fit with batch_size="
                                  f"{self._hidden.batch_size}: {e}") from None
         return super().fit(x, y, batch_size=batch_size, **kwargs)
+
+    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._build_for_data(x)
+        return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._build_for_data(x)
+        return super().predict(x, *args, **kwargs)
+
+    def train_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._build_for_data(x)
+        return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x: Any, y: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._build_for_data(x)
+        return super().test_on_batch(x, y, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        self._build_for_data(x)
+        return super().predict_on_batch(x)
 
     def make_train_function(self, force: bool = False) -> Any:
         """Keras' train function, or with input_buckets one traced once per bucket."""
@@ -507,18 +575,22 @@ class PipelinedModel(keras.Model):
     # -- weights in the plain Sequential's layout --------------------------------
 
     def get_weights(self) -> list[Any]:
+        self._require_built()
         return self.plain.get_weights()
 
     def set_weights(self, weights: list[Any]) -> None:
+        self._require_built()
         self.plain.set_weights(weights)
 
     def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        self._require_built()
         self.plain.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath: str, **kwargs: Any) -> None:
         """Loads weights saved by this model or the plain Sequential. A `.weights.h5` file
         of another model (more or fewer layers, other shapes) is refused with a one-line
         ValueError before anything is loaded (Keras would load a prefix of it silently)."""
+        self._require_built()
         if str(filepath).endswith(".weights.h5"):
             self._check_weights_file(str(filepath))
         try:
@@ -609,14 +681,31 @@ def _add_weight_penalties(variables: Sequence[Any], gradients: list[Any], loss: 
     return loss
 
 
-def _input_shape_of(layers: Any) -> tuple[int, ...]:
+def _input_shape_of(layers: Any) -> tuple[int, ...] | None:
+    """A Sequential's declared example shape (keras.Input), else None: from the data."""
     if isinstance(layers, keras.Sequential):
         try:
             return tuple(layers.input_shape[1:])
         except (AttributeError, ValueError):
             pass
-    raise ValueError("PipelinedModel: pass input_shape (one example's shape, e.g. (8, 8, 1)), "
-                     "or a keras.Sequential that starts with keras.Input.")
+    return None
+
+
+def _first_inputs(x: Any) -> Any:
+    """The model inputs of the first batch of `x` (a batch of arrays, or a tf.data.Dataset
+    of batches), from which a model without `input_shape` takes its shapes."""
+    if isinstance(x, tf.data.Dataset):
+        element = next(iter(x))
+        return keras.utils.unpack_x_y_sample_weight(element)[0] if isinstance(
+            element, tuple) else element
+    leaves = tf.nest.flatten(x)
+    if not leaves or not all(tf.is_tensor(t) or isinstance(t, np.ndarray) or
+                             hasattr(t, "__array__") for t in leaves):
+        raise ValueError(
+            f"PipelinedModel: the input shapes are taken from the first batch of arrays or of "
+            f"a tf.data.Dataset; with {type(x).__name__} input pass input_shape=... (one "
+            "example's shape of each input).")
+    return x
 
 
 def _training_batch_size(x: Any, batch_size: int | None, validation_split: float) -> int | None:
