@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import twin
 
 from lingvo_lite.keras import PipelinedModel
 from lingvo_lite.keras.graph_layer import GraphNodeLayer, SharedNodeLayer
@@ -327,8 +328,6 @@ def test_refusals_are_one_line():
     overridden = _CallOverridden(inp, keras.layers.Dense(2)(inp))
     assert "_CallOverridden overrides call()" in refusal(lambda: PipelinedModel(overridden))
     pipelined = PipelinedModel(skip_model(), num_cells=2)
-    assert "jit_compile=True is not supported" in refusal(
-        lambda: pipelined.compile(loss="mse", jit_compile=True))
     assert "reduction='none' returns a loss per example" in refusal(
         lambda: pipelined.compile(loss=keras.losses.MeanSquaredError(reduction="none")))
 
@@ -506,5 +505,17 @@ def test_layer_stack_without_input_shape():
         m.compile(optimizer="sgd", loss="mse")
     pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)
+
+
+def test_jit_compile_fit_matches_plain_keras_compiled():
+    x, y = batch(16)
+    model = skip_model()
+    pipelined = PipelinedModel(twin(model), num_cells=2, num_micro_batches=2)
+    for m in (model, pipelined):
+        m.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert pipelined.cells_jit_compile and model.jit_compile
     for a, b in zip(pipelined.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)

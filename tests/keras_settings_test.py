@@ -45,6 +45,14 @@ def _data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, y, sample_weight
 
 
+class _NoXlaKernel(keras.layers.Layer):
+    """Adds a Python function's zeros: an op XLA cannot compile."""
+
+    def call(self, x):
+        zeros = tf.numpy_function(lambda a: a * 0, [x], tf.float32)
+        return x + tf.ensure_shape(zeros, x.shape)
+
+
 def _pair(make_layers, input_shape=(D,), num_micro_batches=4, num_cells=2
           ) -> tuple[keras.Sequential, PipelinedModel]:
     """The plain Sequential and a PipelinedModel with the same initial weights."""
@@ -188,10 +196,26 @@ class SettingsTest(tf.test.TestCase):
             dict(sample_weight=_data()[2], batch_size=N // 2), optimizers=("adam",),
             num_micro_batches=2)
 
-    def test_jit_compile_is_refused_in_one_line(self):
+    def test_jit_compile_compiles_each_cell_with_xla(self):
+        # Plain Keras compiles its step with XLA too; each cell's functions are compiled
+        # for its device (the step that places them is not).
+        self.assert_same_fit(_dense_stack, dict(loss=_sparse_xent(), jit_compile=True))
+        _, pipelined = _pair(lambda: [keras.layers.Dense(4), _NoXlaKernel(name="no_xla")])
+        pipelined.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        self.assertTrue(pipelined.cells_jit_compile)
+        x, _, _ = _data()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "PyFunc"):
+            pipelined.fit(x, np.zeros((N, 4), "float32"), batch_size=N, verbose=0)
+
+    def test_jit_compile_auto_and_refusals(self):
         _, pipelined = _pair(_dense_stack)
-        self.assert_one_line_refusal("jit_compile=True is not supported",
-                                     lambda: pipelined.compile(loss="mse", jit_compile=True))
+        pipelined.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+        self.assertFalse(pipelined.cells_jit_compile)  # As Keras resolves it on a CPU.
+        _, dropped = _pair(lambda: [keras.layers.Dense(8), keras.layers.Dropout(0.2, name="drop"),
+                                    keras.layers.Dense(CLASSES)])
+        self.assert_one_line_refusal(
+            "jit_compile=True with Keras layer 'drop' \\(Dropout\\), which draws random numbers",
+            lambda: dropped.compile(loss="mse", jit_compile=True))
 
     # -- mixed precision ---------------------------------------------------------------
 

@@ -297,19 +297,19 @@ class FunctionalPipelinedModel(PipelinedModel):
         """`keras.Model.compile`: one loss, or one per output (a list or a dict by name), and
         `loss_weights` in the same forms; every reduction but 'none' (and, for several
         outputs, 'mean_with_sample_weight')."""
-        if jit_compile is True:
-            raise ValueError(
-                "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
-                "step for one device, and the pipeline places each cell on its own); leave "
-                "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
-        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights)
+        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                                     jit_compile=self._cells_jit_compile(jit_compile))
         if self._hidden.deferred is None:
-            self._compile_pipeline(optimizer, loss, loss_weights)
-        keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=jit_compile,
-                            **kwargs)
+            self._compile_pipeline(**self._hidden.compiled)
+        keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
 
-    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
+    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any,
+                          jit_compile: bool) -> None:
+        if jit_compile:
+            keras_layer.refuse_random_under_xla(
+                layer._layer for layer in self.pipeline.layers if hasattr(layer, "_layer"))
+        self.pipeline.set_jit_compile(jit_compile)
         front_embeddings.check_sparse_gradients(self._hidden.pipe_plan, optimizer)
         self.pipeline.layers[-1].set_loss(
             self._by_map_name(loss, "loss"), self._by_map_name(loss_weights, "loss_weights"),

@@ -446,6 +446,21 @@ def _draws(layer: keras.layers.Layer) -> bool:
     return layer.stddev > 0
 
 
+def refuse_random_under_xla(layers: Any) -> None:
+    """Refuses (one line) XLA for cells with a layer that draws random numbers in training:
+    its per-micro-batch draws under XLA are not verified equal to Keras' (see the docs)."""
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            continue
+        for sub in _sublayers(layer):
+            if isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES) and _draws(sub):
+                raise ValueError(
+                    f"PipelinedModel.compile: jit_compile=True with Keras layer '{sub.name}' "
+                    f"({type(sub).__name__}), which draws random numbers: its micro-batches' "
+                    "draws under XLA do not reproduce Keras' yet; use jit_compile=False (or "
+                    "'auto', which is False on CPUs).")
+
+
 def _patch_batch_norm(layer: keras.layers.BatchNormalization) -> None:
     original = layer._moments
 

@@ -371,22 +371,23 @@ class PipelinedModel(keras.Model):
                 auto_scale_loss: bool = True) -> None:
         """`keras.Model.compile`; a setting the pipeline cannot train exactly is refused here
         with a ValueError that names it and what to do instead."""
-        if jit_compile is True:
-            raise ValueError(
-                "PipelinedModel.compile: jit_compile=True is not supported (XLA compiles one "
-                "step for one device, and the pipeline places each cell on its own); leave "
-                "jit_compile='auto' or False.")
         optimizer = keras.optimizers.get(optimizer)
-        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights)
+        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                                     jit_compile=self._cells_jit_compile(jit_compile))
         if self._hidden.deferred is None:
-            self._compile_pipeline(optimizer, loss, loss_weights)
+            self._compile_pipeline(**self._hidden.compiled)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics,
                         run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
-                        jit_compile=jit_compile, auto_scale_loss=auto_scale_loss)
+                        jit_compile=False, auto_scale_loss=auto_scale_loss)
 
-    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
-        """The pipeline's side of compile: refusals and the loss layer's loss."""
+    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any,
+                          jit_compile: bool) -> None:
+        """The pipeline's side of compile: refusals, the loss layer's loss, XLA per cell."""
+        if jit_compile:
+            keras_layer.refuse_random_under_xla(
+                layer._layer for layer in self.pipeline.layers if hasattr(layer, "_layer"))
+        self.pipeline.set_jit_compile(jit_compile)
         front_embeddings.refuse_summed_embeddings(
             [layer.keras_layer for layer in self.pipeline.layers[:-1]], optimizer,
             "sums an embedding's gradient first", "use SGD, freeze the embedding "
@@ -400,10 +401,23 @@ class PipelinedModel(keras.Model):
             self.pipeline.layers[-1].set_loss(
                 single_loss, None if weight is None else float(weight))
 
-    def _resolve_auto_jit_compile(self) -> bool:
-        # compile(jit_compile='auto') means XLA on GPUs; XLA compiles the step for one
-        # device, while the pipeline places every cell on its own: default to no XLA.
-        return False
+    def _cells_jit_compile(self, jit_compile: Any) -> bool:
+        """Whether compile(jit_compile=...) compiles the cells with XLA: True, or 'auto'
+        where Keras would compile the plain model (an accelerator present, every layer
+        supporting XLA). Each cell's functions are compiled for its own device; the step
+        around them, which places the cells, is not (Keras' own train function is not)."""
+        if jit_compile == "auto":
+            return bool(keras.Model._resolve_auto_jit_compile(self))
+        if not isinstance(jit_compile, bool):
+            raise ValueError(f"PipelinedModel.compile: jit_compile={jit_compile!r}; give True, "
+                             "False or 'auto'.")
+        return jit_compile
+
+    @property
+    def cells_jit_compile(self) -> bool:
+        """Whether each cell's forward and backward run compiled by XLA (compile's
+        jit_compile; Keras' `jit_compile` attribute is False: the step is not compiled)."""
+        return self.pipeline.jit_compile
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         if tf.executing_eagerly():

@@ -169,7 +169,7 @@ class _TracedOnce:
     """
 
     def __init__(self, body: Callable[..., tuple[list[Any], Any]], name: str,
-                 traced: bool) -> None:
+                 traced: bool, jit_compile: bool = False) -> None:
         self._body = body
         self._structures: dict[int, tuple[Any, Any]] = {}
         self._by_signature: dict[Any, tuple[Any, Any]] = {}
@@ -182,7 +182,7 @@ class _TracedOnce:
 
             record.__name__ = name  # Names the function in the graph's library.
             tf_private.allow_function_attributes()
-            self._function = tf.function(record, autograph=False,
+            self._function = tf.function(record, autograph=False, jit_compile=jit_compile,
                                          experimental_attributes=tf_private.NO_INLINE)
 
     @property
@@ -221,11 +221,13 @@ class CellFunctions:
       traced: trace each function once (False: run the bodies inline).
       serial: run every call on TensorFlow's single-threaded executor (an emulated
         accelerator's one op at a time).
+      jit_compile: compile each traced function with XLA for its device.
     """
 
     def __init__(self, cell: int, body: CellBody, replica: int | None = None,
-                 traced: bool = True, serial: bool = False) -> None:
+                 traced: bool = True, serial: bool = False, jit_compile: bool = False) -> None:
         self.cell = cell
+        self._jit_compile = jit_compile
         self._body = body
         self._replica = replica
         self._traced = traced
@@ -319,7 +321,7 @@ class CellFunctions:
         if key not in self._forward:
             self._forward[key] = _TracedOnce(
                 lambda *a: self._forward_body(ctx, key[1], *a), self._name(op_names.FPROP),
-                not key[1])
+                not key[1], self._jit_compile)
         return self._forward[key]
 
     def _arguments(self, theta: NestedMap, x: CallInput, example_offset: tf.Tensor,
@@ -408,7 +410,7 @@ class CellFunctions:
         if key not in self._backward:
             self._backward[key] = _TracedOnce(
                 lambda *a: self._backward_body(ctx, need_dx, packed, defer_weight_grads, *a),
-                self._name(op_names.BPROP), self._traced)
+                self._name(op_names.BPROP), self._traced, self._jit_compile)
         args = self._arguments(theta, x, example_offset, step_seed)
         dy_leaves = flatten(dy)
         if self._traced:
@@ -462,7 +464,8 @@ class CellFunctions:
         static = tuple(r.static() for r in records)  # Also tells traces apart.
         if static not in self._weight_gradient:
             self._weight_gradient[static] = _TracedOnce(
-                self._weight_gradient_body, self._name(op_names.WGRAD), self._traced)
+                self._weight_gradient_body, self._name(op_names.WGRAD), self._traced,
+                self._jit_compile)
         pairs = [_to_call_argument(t) if self._traced else t
                  for r in records for t in (r.x, r.dy)]
         flat, _ = self._call(self._weight_gradient[static], static, theta.Flatten(), pairs,

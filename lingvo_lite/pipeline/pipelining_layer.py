@@ -213,6 +213,13 @@ class PipeliningLayer(base_layer.BaseLayer):
             "start-up time no longer grow with T, while the loop's iterations still overlap "
             "across devices. For schedule='gpipe' with remat='always' (GPipe's own setting).")
         p.Define(
+            "jit_compile", False,
+            "Compile each cell's forward and backward functions with XLA for its device "
+            "(tf.function(jit_compile=True) per cell; the step around them, which places "
+            "the cells on their devices, is not compiled). Every op of the layers must have "
+            "an XLA kernel on the device. Ignored under TPUStrategy, which compiles the whole "
+            "step.")
+        p.Define(
             "serial_devices", False,
             "Run every forward and backward of a cell as one function on TensorFlow's "
             "single-threaded executor, so each device runs one op at a time (like an "
@@ -483,13 +490,27 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     # -- execution -----------------------------------------------------------
 
+    @property
+    def jit_compile(self) -> bool:
+        """Whether each cell's functions are compiled with XLA (p.jit_compile, or
+        `set_jit_compile`)."""
+        return getattr(self, "_jit_compile", self.params.jit_compile)
+
+    def set_jit_compile(self, jit_compile: bool) -> None:
+        """Compiles the cells' functions with XLA (or not) from the next step on (Keras'
+        `compile(jit_compile=...)`); they are traced anew."""
+        if bool(jit_compile) != self.jit_compile:
+            self._jit_compile = bool(jit_compile)
+            self._executors.clear()
+
     def _executor(self, replica: int) -> executor.Executor:
         """The executor of `replica`'s cells; their functions are traced on first use."""
         if replica not in self._executors:
             cells = [CellFunctions(k, lambda theta, x, k=k: self._chain_cell(theta, k, x),
                                    replica=replica if self.num_replicas > 1 else None,
                                    traced=self._tpu_strategy is None,
-                                   serial=self.params.serial_devices)
+                                   serial=self.params.serial_devices,
+                                   jit_compile=self.jit_compile)
                      for k in range(self.num_cells)]
             make = (loop_executor.LoopExecutor if self.params.micro_batch_loop
                     else executor.Executor)
