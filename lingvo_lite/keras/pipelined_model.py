@@ -374,6 +374,8 @@ class PipelinedModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                                      jit_compile=self._cells_jit_compile(jit_compile))
+        self._hidden.plain_compile = dict(loss=loss, loss_weights=loss_weights, metrics=metrics,
+                                          weighted_metrics=weighted_metrics)
         if self._hidden.deferred is None:
             self._compile_pipeline(**self._hidden.compiled)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
@@ -638,6 +640,52 @@ class PipelinedModel(keras.Model):
             f"PipelinedModel.load_weights('{filepath}'): the file does not hold this model's "
             f"weights: {what}; this model's layers are {layers}: load a file saved from the "
             "same layers (PipelinedModel.save_weights or the plain Sequential's).")
+
+    # -- the trained model, out --------------------------------------------------
+
+    def save(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Saves the trained model as plain Keras would (`.keras`): the plain model (the
+        user's model, or a Sequential of the given layers) with its weights, the compile
+        settings and the optimizer's state. Plain `keras.saving.load_model` loads it without
+        lingvo-lite; `PipelinedModel.load_model(filepath, num_cells=..., ...)` resumes
+        training it in a pipeline."""
+        self._require_built()
+        if self.compiled and getattr(self._hidden, "plain_compile", None) is not None:
+            # The plain model's variables are the ones this optimizer updates.
+            self.plain.compile(optimizer=self.optimizer, **self._hidden.plain_compile)
+        self.plain.save(filepath, overwrite=overwrite, **kwargs)
+
+    def export(self, filepath: str, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.export` of the plain model with the trained weights: a SavedModel
+        for TF Serving (`serve` and `serving_default` signatures) that needs only
+        TensorFlow."""
+        self._require_built()
+        return self.plain.export(filepath, *args, **kwargs)
+
+    @classmethod
+    def load_model(cls, filepath: str, **pipeline: Any) -> PipelinedModel:
+        """A PipelinedModel over the model of a `.keras` file (from `save`, or any plain
+        Keras model), compiled as it was saved with its optimizer's state: `fit` resumes.
+
+        `pipeline`: the PipelinedModel settings (num_cells, num_micro_batches, ...).
+        """
+        plain = keras.saving.load_model(filepath)
+        model = cls(plain, **pipeline)
+        if plain.compiled:
+            settings = keras.saving.deserialize_keras_object(plain.get_compile_config())
+            # The loaded optimizer knows the variables by their tf.Variables, which the
+            # pipeline's now replace: a new one of the same config takes over its state.
+            saved = plain.optimizer
+            optimizer = type(saved).from_config(saved.get_config())
+            optimizer.build(model.plain.trainable_variables)
+            if len(optimizer.variables) != len(saved.variables):
+                raise ValueError(f"PipelinedModel.load_model('{filepath}'): the saved optimizer "
+                                 f"has {len(saved.variables)} variables, a new one for this "
+                                 f"model {len(optimizer.variables)}; the file is not one model's.")
+            for mine, theirs in zip(optimizer.variables, saved.variables):
+                mine.assign(theirs)
+            model.compile(**dict(settings, optimizer=optimizer))
+        return model
 
     def get_config(self) -> dict[str, Any]:
         layers = [keras_layer.serialize(layer) for layer in self._hidden.sources]
