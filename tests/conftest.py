@@ -45,7 +45,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMERICS_FILES = frozenset({
     "amoebanet_consistency_test.py", "batch_norm_test.py", "dropout_test.py",
     "keras_buckets_test.py", "keras_functional_losses_test.py", "keras_functional_test.py",
-    "keras_hub_models_test.py", "keras_hub_test.py", "keras_hub_vision_test.py",
+    "keras_hub_families_test.py", "keras_hub_models_test.py", "keras_hub_test.py",
+    "keras_hub_vision_test.py",
     "keras_layer_test.py", "keras_own_layers_test.py", "keras_settings_test.py",
     "loop_executor_test.py", "mesh_test.py", "pipeline_api_test.py", "pipeline_test.py",
     "pipelined_model_test.py", "zbv_schedule_test.py"})

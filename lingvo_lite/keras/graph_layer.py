@@ -49,13 +49,15 @@ from lingvo_lite.keras import keras_flops, keras_layer
 from lingvo_lite.keras.graph_loss import GraphLossLayer
 from lingvo_lite.nested_map import NestedMap
 
-__all__ = ["GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer", "SharedNodeLayer",
-           "SLICE_REF", "TENSOR_REF", "mask_key"]
+__all__ = ["CONSTANT_REF", "GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer",
+           "SharedNodeLayer", "SLICE_REF", "TENSOR_REF", "mask_key"]
 
-# How a node's call arguments refer to a tensor of the map: {"__tensor__": key}, and
-# how they hold a Python slice: {"__slice__": [start, stop, step]}.
+# How a node's call arguments refer to a tensor of the map: {"__tensor__": key}, how they
+# hold a Python slice: {"__slice__": [start, stop, step]}, and a tensor constant:
+# {"__constant__": {"value": nested lists, "dtype": name}}.
 TENSOR_REF = "__tensor__"
 SLICE_REF = "__slice__"
+CONSTANT_REF = "__constant__"
 
 
 def mask_key(key: str) -> str:
@@ -70,6 +72,8 @@ def _fill(template: Any, live: NestedMap) -> Any:
             return live[template[TENSOR_REF]]
         if set(template) == {SLICE_REF}:
             return slice(*template[SLICE_REF])
+        if set(template) == {CONSTANT_REF}:
+            return tf.constant(template[CONSTANT_REF]["value"], template[CONSTANT_REF]["dtype"])
         return {k: _fill(v, live) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
         return type(template)(_fill(v, live) for v in template)

@@ -27,6 +27,8 @@ import re
 from typing import Any
 
 import keras
+import numpy as np
+import tensorflow as tf
 from keras.src import tree
 from keras.src.models.functional import Functional
 
@@ -141,6 +143,8 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
             return {graph_layer.SLICE_REF: [value.start, value.stop, value.step]}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
+        if tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic)):
+            return _constant(value)
         raise ValueError(f"PipelinedModel: a node's call argument {value!r} is not a tensor or a "
                          "plain Python value; it cannot be described in the pipeline's params.")
 
@@ -171,13 +175,16 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
                 nodes.append(gn)
 
     def expand(sub: Functional, node: Any, kwargs: dict) -> None:
-        outer = tree.flatten(node.arguments.args[0]) if node.arguments.args else []
+        args = list(node.arguments.args)
+        if not args and "inputs" in kwargs:  # backbone(inputs=...) (keras-hub's Gemma3).
+            args = [kwargs.pop("inputs")]
+        outer = tree.flatten(args[0]) if args else []
         # Keras passes the masks its inputs carry itself; they travel beside their tensors.
         carried = [getattr(t, "_keras_mask", None) for t in outer]
         masks = tree.flatten(kwargs.get("mask"))
         own_masks = any(m is not None for m in masks) and not (
             len(masks) == len(carried) and all(m is c for m, c in zip(masks, carried)))
-        if own_masks or len(node.arguments.args) != 1 or set(kwargs) - {"mask"}:
+        if own_masks or len(args) != 1 or set(kwargs) - {"mask"}:
             raise ValueError(
                 f"PipelinedModel: nested model '{sub.name}' is called with arguments other than "
                 "its inputs (and the masks they carry); call it on its inputs alone.")
@@ -208,6 +215,23 @@ def trace_model(model: keras.Model, input_shape: Any = None) -> GraphPlan:
     if any(d is None for shape, _ in specs.values() for d in shape):
         _infer_static_specs(plan)
     return plan
+
+
+# The largest tensor constant a node's call may carry in the params (Gemma's and T5's are
+# scalars); a larger one belongs in a layer's weights.
+MAX_CONSTANT_ELEMENTS = 4096
+
+
+def _constant(value: Any) -> dict:
+    """A tensor constant of a node's call (keras-hub Gemma's sqrt(hidden_dim)) as data."""
+    array = np.asarray(value)
+    if array.size > MAX_CONSTANT_ELEMENTS:
+        raise ValueError(
+            f"PipelinedModel: a node's call argument is a constant tensor of shape "
+            f"{array.shape} ({array.size} elements, more than {MAX_CONSTANT_ELEMENTS}); make it a "
+            "layer's weight (add_weight, trainable=False) instead.")
+    return {graph_layer.CONSTANT_REF: {"value": array.tolist(),
+                                       "dtype": tf.as_dtype(array.dtype).name}}
 
 
 def _input_names_and_shapes(model: keras.Model, input_shape: Any

@@ -86,7 +86,7 @@ def _channels(shape: Sequence[int], layer: Any) -> int:
 
 
 def _conv(layer: Any, x: Sequence[int], y: Sequence[int]) -> float:
-    name = type(layer).__name__
+    name = keras_class_name(layer)
     batch = int(x[0])
     c_in = _channels(x, layer)
     c_out = _channels(y, layer)
@@ -139,9 +139,26 @@ def _attention(layer: Any, shapes: Sequence[Sequence[int]]) -> float:
 
 
 def _pool(layer: Any, x: Sequence[int], y: Sequence[int]) -> float:
-    if type(layer).__name__.startswith("Global"):
+    if keras_class_name(layer).startswith("Global"):
         return float(_prod(x))
     return float(_prod(y) * _prod(layer.pool_size))
+
+
+def keras_class_name(layer: Any) -> str:
+    """The name of the Keras layer class `layer` is (or subclasses): formulas are chosen by
+    what a layer computes, so a keras-hub block named 'FusedMBConvBlock' (a Layer) is not
+    taken for a convolution, while a ReversibleEmbedding is an Embedding.
+
+    Example:
+        >>> class MyConvBlock(keras.layers.Layer):
+        ...     pass
+        >>> keras_class_name(MyConvBlock()), keras_class_name(keras.layers.Conv2D(2, 3))
+        ('Layer', 'Conv2D')
+    """
+    for cls in type(layer).__mro__:
+        if cls.__module__.startswith("keras.src.layers."):
+            return cls.__name__
+    return type(layer).__name__
 
 
 def formula_flops(layer: Any, in_shapes: Sequence[Sequence[int]],
@@ -152,7 +169,7 @@ def formula_flops(layer: Any, in_shapes: Sequence[Sequence[int]],
         >>> formula_flops(keras.layers.Conv1D(4, 3), [(1, 5, 2)], (1, 3, 4))
         156.0
     """
-    name = type(layer).__name__
+    name = keras_class_name(layer)
     x = [int(d) for d in in_shapes[0]]
     y = [int(d) for d in out_shape]
     if name == "Dense":

@@ -273,11 +273,13 @@ def _may_draw(layer: keras.layers.Layer) -> bool:
     """Whether a layer that owns a seed generator may draw with it in a call.
 
     Keras' recurrent cells (LSTMCell, GRUCell, SimpleRNNCell) always own one but draw only
-    with dropout or recurrent_dropout > 0; should one draw anyway, its seed state changes
+    with dropout or recurrent_dropout > 0, and a layer with a `rate` (keras-hub's DropPath)
+    only with rate > 0; should one draw anyway, its seed state changes
     and `check_call_state` / FProp refuse it.
     """
-    rates = [getattr(layer, name, None) for name in ("dropout", "recurrent_dropout")]
-    return any(rate is None or rate > 0 for rate in rates)
+    rates = [getattr(layer, name) for name in ("rate", "dropout", "recurrent_dropout")
+             if isinstance(getattr(layer, name, None), (int, float))]
+    return not rates or any(rate > 0 for rate in rates)
 
 
 def _seed_state(layer: keras.layers.Layer) -> Any:
