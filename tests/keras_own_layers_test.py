@@ -250,3 +250,30 @@ def test_weight_shared_in_a_layer_stack_is_refused_in_one_line():
                               TiedHead(embed.tokens, name="head")])
     assert refusal(lambda: PipelinedModel(stack, num_cells=2)).startswith(
         "PipelinedModel: Keras layer 'head' uses weights of the earlier layer 'embed' (")
+
+
+WORDS = ["red", "green", "blue", "cyan", "pink"]
+
+
+def string_lookup_model() -> keras.Model:
+    """Words in, a StringLookup and an Embedding in front (the usual text preprocessing)."""
+    keras.utils.set_random_seed(36)
+    words = keras.Input((4,), dtype="string", name="words")
+    ids = keras.layers.StringLookup(vocabulary=WORDS, name="lookup")(words)
+    h = keras.layers.Embedding(len(WORDS) + 1, 8, name="emb")(ids)
+    h = keras.layers.Dense(8, activation="tanh", name="mix")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(words, keras.layers.Dense(3, name="out")(h))
+
+
+def test_string_lookup_front_fit_matches_plain():
+    # The lookup and the embedding of its ids run before the pipeline: no string enters a
+    # cell, and Adam gets Keras' per-occurrence embedding gradient.
+    rng = np.random.default_rng(7)
+    x = tf.constant(np.array(WORDS + ["unknown"])[rng.integers(0, 6, (16, 4))])
+    y = (np.arange(16) % 3).astype("int32")
+    check_fit(string_lookup_model, SPARSE_XENT, x, y, "adam", num_cells=2,
+              num_micro_batches=2)
+    pipelined = PipelinedModel(string_lookup_model(), num_cells=2, num_micro_batches=2)
+    assert "string" not in pipelined.partition_report(8)
+    assert [p.name for p in pipelined.pipeline.params.layers][0] == "node_0_mix"

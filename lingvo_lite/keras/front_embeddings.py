@@ -1,4 +1,5 @@
-"""Embeddings a functional model looks up from its inputs, run before the pipeline.
+"""Embeddings a functional model looks up from its inputs (and lookups), run before the
+pipeline.
 
 Keras hands a looked-up embedding's gradient to the optimizer as `IndexedSlices`, one row per
 token occurrence, and optimizers that square the gradient (Adam, RMSprop, ...) square each
@@ -11,6 +12,8 @@ leading Embedding). Any optimizer then trains it exactly. Other trainable embedd
 on computed tensors, or shared) stay in the pipeline, and with an optimizer other than SGD
 they are refused in one line (`check_sparse_gradients`); a tied embedding also used densely
 (GPT-2's `reverse=True` LM head) gets a dense gradient in Keras too and trains exactly.
+Lookups from raw inputs (StringLookup, IntegerLookup, TextVectorization, Hashing, ...) run here
+too, so an embedding of looked-up ids is a front embedding and no string enters a cell.
 
 Example:
     >>> import keras
@@ -38,19 +41,37 @@ from lingvo_lite.nested_map import NestedMap
 __all__ = ["FrontEmbeddings", "check_sparse_gradients", "refuse_summed_embeddings", "split"]
 
 
-def _runs_in_front(plan: GraphPlan, i: int) -> bool:
+# Lookups from raw inputs (strings, ids) to ids: they run with the front embeddings, on the
+# host side of the pipeline, so no string tensor enters a cell.
+LOOKUPS = (keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization,
+           keras.layers.Hashing, keras.layers.HashedCrossing, keras.layers.Discretization)
+
+
+def _runs_in_front(plan: GraphPlan, i: int, front_keys: set[str]) -> bool:
+    """Whether node `i` runs before the pipeline: a trainable embedding or a lookup, called
+    once, reading only the model's inputs and outputs of earlier front nodes."""
     node = plan.nodes[i]
     reads = graph_layer.tensor_keys(node.call)
+    if not reads or not set(reads) <= front_keys or len(node.outputs) != 1:
+        return False
+    if node.weights_from is not None or any(
+            owner == i for other in plan.nodes for owner, _ in other.weights_from or []) or any(
+            other is not node and other.layer is node.layer for other in plan.nodes):
+        return False
+    if isinstance(node.layer, LOOKUPS):
+        return not node.layer.trainable_variables
     return (isinstance(node.layer, keras.layers.Embedding) and node.layer.trainable
-            and node.weights_from is None and len(node.outputs) == 1
-            and node.call["kwargs"].get("reverse") is not True
-            and all(owner != i for other in plan.nodes for owner, _ in other.weights_from or [])
-            and bool(reads) and set(reads) <= set(plan.input_keys))
+            and node.call["kwargs"].get("reverse") is not True)
 
 
 def split(plan: GraphPlan) -> tuple[GraphPlan, list[GraphNode]]:
-    """(the plan the pipeline runs, the embedding nodes that run before it)."""
-    front = [i for i in range(len(plan.nodes)) if _runs_in_front(plan, i)]
+    """(the plan the pipeline runs, the embedding and lookup nodes that run before it)."""
+    front: list[int] = []
+    front_keys = set(plan.input_keys)
+    for i, node in enumerate(plan.nodes):
+        if _runs_in_front(plan, i, front_keys):
+            front.append(i)
+            front_keys.update(node.outputs)
     if not front:
         return plan, []
     shift = {i: sum(f < i for f in front) for i in range(len(plan.nodes))}
@@ -59,7 +80,8 @@ def split(plan: GraphPlan) -> tuple[GraphPlan, list[GraphNode]]:
              for i, n in enumerate(plan.nodes) if i not in front]
     read = {k for n in nodes for k in graph_layer.tensor_keys(n.call)}
     read |= set(graph_layer.tensor_keys({"outputs": _refs(plan.outputs)}))
-    inputs = [k for k in plan.input_keys if k in read] + [plan.nodes[i].outputs[0] for i in front]
+    inputs = [k for k in plan.input_keys if k in read] + [
+        plan.nodes[i].outputs[0] for i in front if plan.nodes[i].outputs[0] in read]
     return (dataclasses.replace(plan, nodes=nodes, input_keys=inputs),
             [plan.nodes[i] for i in front])
 
@@ -104,7 +126,7 @@ class FrontEmbeddings:
     def gradients(self, tape: tf.GradientTape, inputs: NestedMap,
                   input_grads: NestedMap) -> dict[int, Any]:
         """id(variable.value) -> its gradient, as Keras takes it (IndexedSlices for a lookup)."""
-        keys = [n.outputs[0] for n in self.nodes]
+        keys = [n.outputs[0] for n in self.nodes if n.outputs[0] in input_grads]
         variables = self.trainable_variables
         with tf.device(self.device):
             grads = tape.gradient([inputs[k] for k in keys], [v.value for v in variables],
