@@ -10,6 +10,8 @@ What the pipeline cannot make exact is refused in one line naming the layer.
 
 from __future__ import annotations
 
+import doctest
+
 import keras
 import numpy as np
 import pytest
@@ -277,3 +279,38 @@ def test_string_lookup_front_fit_matches_plain():
     pipelined = PipelinedModel(string_lookup_model(), num_cells=2, num_micro_batches=2)
     assert "string" not in pipelined.partition_report(8)
     assert [p.name for p in pipelined.pipeline.params.layers][0] == "node_0_mix"
+
+
+class BatchCentred(keras.layers.Layer):
+    """Subtracts the batch mean: couples the examples of a batch (as an expert capacity
+    counted over the batch does)."""
+
+    def call(self, x):
+        return x - keras.ops.mean(x, axis=0, keepdims=True)
+
+
+def coupled_model() -> keras.Model:
+    keras.utils.set_random_seed(37)
+    inp = keras.Input((6,), name="features")
+    h = BatchCentred(name="centred")(keras.layers.Dense(8, activation="tanh", name="a")(inp))
+    return keras.Model(inp, keras.layers.Dense(3, name="b")(h))
+
+
+def test_check_equivalence_flags_layers_that_couple_a_batch():
+    from lingvo_lite.keras import equivalence
+
+    assert doctest.testmod(equivalence).failed == 0
+    x, y = feature_batch(8)
+    for num_micro_batches, equivalent in ((1, True), (2, False)):
+        pipelined = PipelinedModel(coupled_model(), num_cells=2,
+                                   num_micro_batches=num_micro_batches)
+        pipelined.compile(optimizer="sgd", loss="mse")
+        before = pipelined.get_weights()
+        report = pipelined.check_equivalence(x, y)
+        assert report.equivalent == equivalent, str(report)
+        # At T=2 the centred activations, hence every gradient, follow the micro-batch's
+        # mean; nothing was trained.
+        assert {path.split("/")[-2] for path, _, _ in report.differing} == (
+            set() if equivalent else {"a", "b"})
+        for a, b in zip(pipelined.get_weights(), before):
+            np.testing.assert_array_equal(a, b)

@@ -478,6 +478,21 @@ class PipelinedModel(keras.Model):
         self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
         return self.compute_metrics(x, y, predictions, sample_weight=sample_weight)
 
+    @property
+    def plain_compile_settings(self) -> dict[str, Any]:
+        """The compile settings (loss, loss_weights, metrics) as the plain model takes them."""
+        if getattr(self._hidden, "plain_compile", None) is None:
+            raise ValueError("PipelinedModel: compile the model first (compile(loss=...)).")
+        return dict(self._hidden.plain_compile)
+
+    def check_equivalence(self, x: Any, y: Any, sample_weight: Any = None) -> Any:
+        """One step's loss and gradients against the plain model's (`keras.equivalence`):
+        which weights' gradients differ, e.g. through layers that couple a batch's examples
+        (batch norm at T > 1)."""
+        from lingvo_lite.keras import equivalence
+
+        return equivalence.check_equivalence(self, x, y, sample_weight)
+
     def loss_and_gradients(self, x: Any, y: Any, sample_weight: Any = None
                            ) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """One pipelined training step's loss and the gradients of the trainable variables
@@ -652,7 +667,7 @@ class PipelinedModel(keras.Model):
         self._require_built()
         if self.compiled and getattr(self._hidden, "plain_compile", None) is not None:
             # The plain model's variables are the ones this optimizer updates.
-            self.plain.compile(optimizer=self.optimizer, **self._hidden.plain_compile)
+            self.plain.compile(optimizer=self.optimizer, **self.plain_compile_settings)
         self.plain.save(filepath, overwrite=overwrite, **kwargs)
 
     def export(self, filepath: str, *args: Any, **kwargs: Any) -> Any:
