@@ -72,15 +72,21 @@ def plain_of(kind: str) -> keras.Model:
     return keras.Sequential([keras.Input((6,)), *layer_stack()])
 
 
-@pytest.mark.parametrize("kind", ["functional", "stack"])
-def test_saved_file_loads_in_plain_keras_and_resumes_training(kind, tmp_path):
+def trained(kind: str, optimizer: str, tmp_path) -> tuple[PipelinedModel, np.ndarray, np.ndarray]:
+    """A pipelined model after one epoch, its data, and the inputs saved for a subprocess."""
     x, y = data()
     pipelined = pipelined_of(kind)
-    pipelined.compile(optimizer="adam", loss="mse")
+    pipelined.compile(optimizer=optimizer, loss="mse")
     pipelined.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.save(tmp_path / "x.npy", x)
+    return pipelined, x, y
+
+
+@pytest.mark.parametrize("kind", ["functional", "stack"])
+def test_saved_file_loads_in_plain_keras_and_resumes_training(kind, tmp_path):
+    pipelined, x, y = trained(kind, "adam", tmp_path)
     path = str(tmp_path / "trained.keras")
     pipelined.save(path)
-    np.save(tmp_path / "x.npy", x)
     run_without_lingvo_lite(f"""
         import keras
         model = keras.saving.load_model({path!r})
@@ -101,12 +107,8 @@ def test_saved_file_loads_in_plain_keras_and_resumes_training(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["functional", "stack"])
 def test_exported_saved_model_serves_without_lingvo_lite(kind, tmp_path):
-    x, y = data()
-    pipelined = pipelined_of(kind)
-    pipelined.compile(optimizer="sgd", loss="mse")
-    pipelined.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    pipelined, x, _ = trained(kind, "sgd", tmp_path)
     pipelined.export(str(tmp_path / "served"), verbose=False)
-    np.save(tmp_path / "x.npy", x)
     run_without_lingvo_lite("""
         import tensorflow as tf
         served = tf.saved_model.load("served")

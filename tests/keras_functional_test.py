@@ -519,3 +519,21 @@ def test_jit_compile_fit_matches_plain_keras_compiled():
     assert pipelined.cells_jit_compile and model.jit_compile
     for a, b in zip(pipelined.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)
+
+
+def scaled_by_a_constant_model() -> keras.Model:
+    """A tensor constant as a call argument (keras-hub Gemma's sqrt(hidden_dim))."""
+    keras.utils.set_random_seed(44)
+    inp = keras.Input((6,), name="features")
+    h = keras.layers.Dense(8, activation="tanh", name="a")(inp)
+    h = keras.ops.multiply(h, tf.constant([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]))
+    return keras.Model(inp, keras.layers.Dense(3, name="b")(h))
+
+
+def test_tensor_constant_as_a_call_argument():
+    x, y = batch()
+    check_step(scaled_by_a_constant_model(), "mse", x, y, num_cells=2, num_micro_batches=2)
+    big = keras.Input((5000,), name="wide")
+    model = keras.Model(big, keras.ops.add(big, tf.zeros([5000])))
+    assert refusal(lambda: PipelinedModel(model)).startswith(
+        "PipelinedModel: a node's call argument is a constant tensor of shape (5000,)")

@@ -15,13 +15,13 @@ Example:
     >>> from lingvo_lite import devices
     >>> from lingvo_lite.keras import PipelinedModel
     >>> _ = devices.configure_logical_cpus(2)
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name='first'),
     ...                           keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     >>> pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
     >>> pipelined.compile(optimizer='sgd', loss='mse')
     >>> x, y = np.random.rand(8, 4).astype('float32'), np.random.rand(8, 2).astype('float32')
     >>> report = check_equivalence(pipelined, x, y)
-    >>> report.equivalent, report.differing[0][0].endswith('dense/kernel')
+    >>> report.equivalent, report.differing[0][0].endswith('first/kernel')
     (False, True)
 """
 

@@ -298,21 +298,11 @@ class FunctionalPipelinedModel(PipelinedModel):
         `loss_weights` in the same forms; every reduction but 'none' (and, for several
         outputs, 'mean_with_sample_weight')."""
         optimizer = keras.optimizers.get(optimizer)
-        self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
-                                     jit_compile=self._cells_jit_compile(jit_compile))
-        self._hidden.plain_compile = dict(loss=loss, loss_weights=loss_weights,
-                                          metrics=kwargs.get("metrics"),
-                                          weighted_metrics=kwargs.get("weighted_metrics"))
-        if self._hidden.deferred is None:
-            self._compile_pipeline(**self._hidden.compiled)
+        self._remember_compile(optimizer, loss, loss_weights, jit_compile,
+                               kwargs.get("metrics"), kwargs.get("weighted_metrics"))
         keras.Model.compile(self, optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
 
-    def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any,
-                          jit_compile: bool) -> None:
-        if jit_compile:
-            keras_layer.refuse_random_under_xla(
-                layer._layer for layer in self.pipeline.layers if hasattr(layer, "_layer"))
-        self.pipeline.set_jit_compile(jit_compile)
+    def _compile_losses(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
         front_embeddings.check_sparse_gradients(self._hidden.pipe_plan, optimizer)
         self.pipeline.layers[-1].set_loss(
             self._by_map_name(loss, "loss"), self._by_map_name(loss_weights, "loss_weights"),

@@ -372,24 +372,34 @@ class PipelinedModel(keras.Model):
         """`keras.Model.compile`; a setting the pipeline cannot train exactly is refused here
         with a ValueError that names it and what to do instead."""
         optimizer = keras.optimizers.get(optimizer)
+        self._remember_compile(optimizer, loss, loss_weights, jit_compile, metrics,
+                               weighted_metrics)
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                        metrics=metrics, weighted_metrics=weighted_metrics,
+                        run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+                        jit_compile=False, auto_scale_loss=auto_scale_loss)
+
+    def _remember_compile(self, optimizer: Any, loss: Any, loss_weights: Any,
+                          jit_compile: Any, metrics: Any, weighted_metrics: Any) -> None:
+        """Keeps compile's settings (applied to the pipeline now, or once the first batch has
+        given the shapes) and the plain model's (`plain_compile_settings`)."""
         self._hidden.compiled = dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                                      jit_compile=self._cells_jit_compile(jit_compile))
         self._hidden.plain_compile = dict(loss=loss, loss_weights=loss_weights, metrics=metrics,
                                           weighted_metrics=weighted_metrics)
         if self._hidden.deferred is None:
             self._compile_pipeline(**self._hidden.compiled)
-        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
-                        metrics=metrics, weighted_metrics=weighted_metrics,
-                        run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
-                        jit_compile=False, auto_scale_loss=auto_scale_loss)
 
     def _compile_pipeline(self, optimizer: Any, loss: Any, loss_weights: Any,
                           jit_compile: bool) -> None:
-        """The pipeline's side of compile: refusals, the loss layer's loss, XLA per cell."""
+        """The pipeline's side of compile: XLA per cell, refusals, the loss layer's loss."""
         if jit_compile:
             keras_layer.refuse_random_under_xla(
                 layer._layer for layer in self.pipeline.layers if hasattr(layer, "_layer"))
         self.pipeline.set_jit_compile(jit_compile)
+        self._compile_losses(optimizer, loss, loss_weights)
+
+    def _compile_losses(self, optimizer: Any, loss: Any, loss_weights: Any) -> None:
         front_embeddings.refuse_summed_embeddings(
             [layer.keras_layer for layer in self.pipeline.layers[:-1]], optimizer,
             "sums an embedding's gradient first", "use SGD, freeze the embedding "
