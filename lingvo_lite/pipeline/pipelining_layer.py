@@ -214,11 +214,12 @@ class PipeliningLayer(base_layer.BaseLayer):
             "across devices. For schedule='gpipe' with remat='always' (GPipe's own setting).")
         p.Define(
             "jit_compile", False,
-            "Compile each cell's forward and backward functions with XLA for its device "
-            "(tf.function(jit_compile=True) per cell; the step around them, which places "
-            "the cells on their devices, is not compiled). Every op of the layers must have "
-            "an XLA kernel on the device. Ignored under TPUStrategy, which compiles the whole "
-            "step.")
+            "Compile each cell's traced forward and backward functions with XLA for its "
+            "device (tf.function(jit_compile=True) per cell; the step around them, which "
+            "places the cells on their devices, is not compiled, nor a forward run inline "
+            "under the backward's tape: remat='never', except_last's last micro-batch). "
+            "Every op of the layers must have an XLA kernel on the device. Ignored under "
+            "TPUStrategy, which compiles the whole step.")
         p.Define(
             "serial_devices", False,
             "Run every forward and backward of a cell as one function on TensorFlow's "
