@@ -143,20 +143,24 @@ def export_saved_model(task: Any, graph: Any, path: str) -> None:
 def describe_signatures(graph: Any) -> str:
     """One line per signature: its name, inputs and outputs with dtypes and shapes."""
 
-    def spec(s: Any) -> str:
-        dims = ",".join("?" if d is None else str(d) for d in s.shape.as_list())
-        return f"{s.name} {s.dtype.name}[{dims}]"
+    def spec(name: str, value: Any) -> str:
+        dims = ",".join("?" if d is None else str(d) for d in value.shape.as_list())
+        return f"{name} {value.dtype.name}[{dims}]"
 
     lines = []
     for name, fn in graph.signatures.items():
         concrete = fn.get_concrete_function()
-        inputs = [spec(s) for s in concrete.structured_input_signature[1].values()] or \
-            [spec(s) for s in concrete.structured_input_signature[0]]
-        outputs = concrete.structured_outputs
-        outs = [f"{k} {v.dtype.name}[{','.join('?' if d is None else str(d) for d in v.shape.as_list())}]"
-                for k, v in outputs.items()]
-        lines.append(f"  {name}: ({', '.join(inputs)}) -> ({', '.join(outs)})")
+        inputs = [spec(s.name, s) for s in tf_nest_flatten(concrete.structured_input_signature)]
+        outputs = [spec(k, v) for k, v in concrete.structured_outputs.items()]
+        lines.append(f"  {name}: ({', '.join(inputs)}) -> ({', '.join(outputs)})")
     return "\n".join(lines)
+
+
+def tf_nest_flatten(structure: Any) -> list[Any]:
+    """`tf.nest.flatten` (TensorFlow imported on use)."""
+    import tensorflow as tf
+
+    return tf.nest.flatten(structure)
 
 
 def prepare_export(config: model_config.ModelConfig, logdir: str, requested: str | None,
