@@ -26,8 +26,8 @@ from typing import Any, TextIO
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import UsageError
 
-__all__ = ["export_dir", "export_saved_model", "prepare_export", "resolve_checkpoint",
-           "unpipelined_task_params"]
+__all__ = ["check_inference_defined", "describe_signatures", "export_dir", "export_saved_model",
+           "prepare_export", "resolve_checkpoint", "unpipelined_task_params"]
 
 Job = Callable[[], int]
 
@@ -142,6 +142,7 @@ def export_saved_model(task: Any, graph: Any, path: str) -> None:
 
 def describe_signatures(graph: Any) -> str:
     """One line per signature: its name, inputs and outputs with dtypes and shapes."""
+    import tensorflow as tf
 
     def spec(name: str, value: Any) -> str:
         dims = ",".join("?" if d is None else str(d) for d in value.shape.as_list())
@@ -150,17 +151,24 @@ def describe_signatures(graph: Any) -> str:
     lines = []
     for name, fn in graph.signatures.items():
         concrete = fn.get_concrete_function()
-        inputs = [spec(s.name, s) for s in tf_nest_flatten(concrete.structured_input_signature)]
+        inputs = [spec(s.name, s) for s in tf.nest.flatten(concrete.structured_input_signature)]
         outputs = [spec(k, v) for k, v in concrete.structured_outputs.items()]
         lines.append(f"  {name}: ({', '.join(inputs)}) -> ({', '.join(outputs)})")
     return "\n".join(lines)
 
 
-def tf_nest_flatten(structure: Any) -> list[Any]:
-    """`tf.nest.flatten` (TensorFlow imported on use)."""
-    import tensorflow as tf
+def check_inference_defined(config: model_config.ModelConfig) -> None:
+    """InferenceNotDefinedError (one line naming `Inference()`) for a task class that keeps
+    `BaseTask.Inference`, before any checkpoint is read or weight allocated."""
+    from lingvo_lite import base_task, inference
 
-    return tf.nest.flatten(structure)
+    cls = config.task_params.cls
+    if getattr(cls, "Inference", None) is base_task.BaseTask.Inference:
+        raise inference.InferenceNotDefinedError(
+            f"--mode=export: the task of model {config.name} ({cls.__name__}) defines no "
+            "serving signatures; add a method Inference(self) to it returning "
+            "lingvo_lite.inference.InferenceGraph(signatures={'serving_default': <tf.function "
+            "with an input_signature>}) (docs/export.md).")
 
 
 def prepare_export(config: model_config.ModelConfig, logdir: str, requested: str | None,
@@ -168,6 +176,7 @@ def prepare_export(config: model_config.ModelConfig, logdir: str, requested: str
     """Setup of --mode=export: the unpipelined task, the checkpoint restored, its signatures."""
     from lingvo_lite.training import checkpointer
 
+    check_inference_defined(config)
     if not checkpointer.candidate_checkpoints(logdir):
         raise FileNotFoundError(
             f"no checkpoint in {checkpointer.checkpoint_dir(logdir)} to export, train first "

@@ -327,9 +327,10 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
         params.Instantiate()  # Validates the eval input params now rather than mid-run.
     logdir = options.abs_logdir
     model_config.set_layer_profile_paths(config.task_params, logdir)
+    watch = ("" if options.mode == "export"  # Writes no summaries.
+             else f"\nWatch it with: {tensorboard_command()} --logdir {logdir}")
     print(f"Model {config.name}, mode {options.mode}, {num_cpus} logical CPU device(s).\n"
-          f"Logdir: {logdir}\nWatch it with: {tensorboard_command()} --logdir {logdir}",
-          file=out, flush=True)
+          f"Logdir: {logdir}{watch}", file=out, flush=True)
 
     if options.mode == "eval":
         return _prepare_eval(config, logdir, eval_splits, out, err)
