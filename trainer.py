@@ -20,6 +20,10 @@ Modes:
   train_and_eval  train, evaluating every train.eval_interval_steps and at the end.
   decode          run the task's Decode (e.g. beam search + BLEU) on --eval_splits with the
                   latest checkpoint: metrics in eval_<split>/, output in decode_<split>/.
+  export          write the latest checkpoint (or --export_checkpoint=<step or path>) as a
+                  SavedModel with the task's serving signatures (its Inference()) to
+                  <logdir>/export/<step>/, unpipelined: loadable with TensorFlow alone
+                  (docs/export.md).
   list_models     list the registered models.
   inspect_params  print the task and input params (the format --*_params_override accepts).
   inspect_model   per-layer shapes, params, flops and the pipeline partition, without
@@ -84,7 +88,8 @@ TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
 MODEL_PACKAGE = "model_params"
 
 # Modes that report progress (the others print one report): they say so while TensorFlow loads.
-_SLOW_START_MODES = ("train", "train_and_eval", "eval", "decode", "check_equivalence")
+_SLOW_START_MODES = ("train", "train_and_eval", "eval", "decode", "export",
+                     "check_equivalence")
 
 _MODEL = flags.DEFINE_string("model", None, "Registered model name or module.path.ClassName.")
 _LOGDIR = flags.DEFINE_string("logdir", None, "Directory of checkpoints and summaries.")
@@ -160,6 +165,11 @@ _PLAN_DEVICE_FLOPS = flags.DEFINE_float(
     "plan_device_flops", None,
     "plan: achieved FLOP/s of one device (default 5e13, see lingvo_lite/training/planner.py).")
 
+_EXPORT_CHECKPOINT = flags.DEFINE_string(
+    "export_checkpoint", None,
+    "export: the checkpoint to export, a global step (e.g. 400) or a checkpoint path "
+    "(<logdir>/checkpoints/ckpt-400); default: the latest intact checkpoint.")
+
 _TF_LOGS = flags.DEFINE_boolean(
     "tf_logs", False,
     "Show TensorFlow's logs: its C++ start-up lines (oneDNN, CUDA probing, CPU features) and "
@@ -220,6 +230,7 @@ def _options() -> options_lib.RunOptions:
         plan_devices=_PLAN_DEVICES.value,
         plan_memory_per_device=_PLAN_MEMORY_PER_DEVICE.value,
         plan_device_flops=_PLAN_DEVICE_FLOPS.value,
+        export_checkpoint=_EXPORT_CHECKPOINT.value,
     )
 
 

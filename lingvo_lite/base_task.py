@@ -18,6 +18,7 @@ from lingvo_lite import (
     colocation,
     fprop_context,
     hyperparams,
+    inference,
     learning_rate,
     optimizers,
     sharded_optimizer,
@@ -256,6 +257,20 @@ class BaseTask(base_layer.BaseLayer):
         with fprop_context.fprop_context(training=False, updates=None):
             out = self.FProp(self.theta, input_batch)
         return scalar_outputs(out)
+
+    def Inference(self) -> inference.InferenceGraph:
+        """The serving signatures `trainer.py --mode=export` writes (Lingvo's `Inference()`).
+
+        Called on the task built unpipelined (one cell, one micro-batch, one replica) with a
+        checkpoint restored; returns an `inference.InferenceGraph` whose signatures read this
+        task's variables (see lingvo_lite/inference.py and docs/export.md). A task that serves
+        nothing keeps this default, which refuses the export in one line.
+        """
+        raise inference.InferenceNotDefinedError(
+            f"task {type(self).__name__} ({self.path}) defines no serving signatures: add a "
+            "method Inference(self) returning lingvo_lite.inference.InferenceGraph(signatures="
+            "{'serving_default': <tf.function with an input_signature>}) to export it "
+            "(docs/export.md).")
 
     @property
     def sharded_state(self) -> sharded_optimizer.ShardedOptimizer | None:

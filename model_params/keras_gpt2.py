@@ -11,8 +11,8 @@ from typing import Any
 import keras
 
 from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
-from lingvo_lite.keras import KerasTask, functional_network_params
-from tasks.text import char_lm_input
+from lingvo_lite.keras import functional_network_params
+from tasks.text import char_lm, char_lm_input
 
 __all__ = ["GPT2CharLM", "gpt2_causal_lm"]
 
@@ -33,7 +33,8 @@ def gpt2_causal_lm(vocabulary_size: int, seq_len: int, num_layers: int = 2,
 
 @model_registry.register
 class GPT2CharLM(model_registry.SplitInputModelParams):
-    """A small keras-hub GPT-2 on the generated sentences, one character a token (K=2, T=2)."""
+    """A small keras-hub GPT-2 on the generated sentences, one character a token (K=2, T=2);
+    exported, it serves a prompt's greedy continuation (`generate`, tasks/text/char_lm.py)."""
 
     SEQ_LEN = 64
     BATCH_SIZE = 16
@@ -53,7 +54,7 @@ class GPT2CharLM(model_registry.SplitInputModelParams):
 
     def Task(self) -> hyperparams.InstantiableParams:
         vocab = len(char_lm_input.vocabulary())
-        p = KerasTask.Params().Set(name="gpt2_char_lm", label_field="label",
+        p = char_lm.CharLMTask.Params().Set(name="gpt2_char_lm", label_field="label",
                                    input_fields={k: k for k in self.network_inputs()})
         p.network = functional_network_params(
             lambda: gpt2_causal_lm(vocab, self.SEQ_LEN), input_shape=self.network_inputs(),

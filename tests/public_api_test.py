@@ -120,7 +120,7 @@ _LEVEL_OF_MODULE = {
     "pipeline": "pipeline", "analysis": "analysis",
     "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",
     "optimizers": "tasks", "sharded_optimizer": "tasks", "learning_rate": "tasks",
-    "warm_start": "tasks",
+    "warm_start": "tasks", "inference": "tasks",
     "model_registry": "tasks", "keras": "tasks",
     "training": "trainer",
 }

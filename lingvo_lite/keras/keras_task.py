@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, pipelined_task
+from lingvo_lite import hyperparams, inference, pipelined_task
 from lingvo_lite.keras import keras_loss
 from lingvo_lite.nested_map import NestedMap
 
@@ -60,6 +60,10 @@ class KerasTask(pipelined_task.PipelinedTask):
             inputs = NestedMap(x=input_batch.GetItem(p.input_field))
         inputs.y = input_batch.GetItem(p.label_field)
         return inputs
+
+    def Inference(self) -> inference.InferenceGraph:
+        """The plain Keras model's serving signature (`inference.keras_serving_graph`)."""
+        return inference.keras_serving_graph(self)
 
 
 def functional_network_params(build_model: Callable[[], keras.Model] | keras.Model,

@@ -23,10 +23,10 @@ __all__ = [
     "UsageError",
 ]
 
-MODES = ("train", "eval", "train_and_eval", "decode", "list_models", "inspect_params",
-         "inspect_model", "check_equivalence", "plan")
+MODES = ("train", "eval", "train_and_eval", "decode", "export", "list_models",
+         "inspect_params", "inspect_model", "check_equivalence", "plan")
 TRAIN_MODES = ("train", "train_and_eval")
-LOGDIR_MODES = ("train", "eval", "train_and_eval", "decode")
+LOGDIR_MODES = ("train", "eval", "train_and_eval", "decode", "export")
 CLUSTER_MODES = ("auto", "single_client", "multi_client")
 
 
@@ -86,6 +86,8 @@ class RunOptions:
       tpu: train on this TPU (name or grpc:// address, 'local' on a TPU VM) under a
         TPUStrategy, cell k on core k of each replica; None = no TPU unless a
         PipeliningLayer has placement='tpu' (then the TPU comes from the environment).
+      export_checkpoint: --mode=export: the checkpoint to export, a global step (`400`) or a
+        checkpoint path (`<logdir>/checkpoints/ckpt-400`); None = the latest intact one.
     """
 
     model: str | None = None
@@ -114,6 +116,7 @@ class RunOptions:
     plan_devices: int | None = None
     plan_memory_per_device: str | None = None
     plan_device_flops: float | None = None
+    export_checkpoint: str | None = None
 
     def validate(self) -> None:
         """Raises UsageError for missing or out-of-range options (no TensorFlow needed)."""
@@ -150,6 +153,9 @@ class RunOptions:
             raise UsageError(f"--equivalence_tolerance={tol!r} must be a number > 0, e.g. 1e-4.")
         if self.mode == "plan":
             self._validate_plan()
+        if self.export_checkpoint is not None and self.mode != "export":
+            raise UsageError(f"--export_checkpoint only applies to --mode=export, not "
+                             f"--mode={self.mode}; drop it.")
         if self.profile_steps:
             parse_profile_steps(self.profile_steps)
         if self.tpu is not None and self.mode in LOGDIR_MODES and self.mode != "train":

@@ -283,7 +283,7 @@ def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelCo
 
 def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: TextIO,
                  err: TextIO) -> Job:
-    """Setup of train / eval / train_and_eval."""
+    """Setup of train / eval / train_and_eval / decode / export."""
     eval_splits = {}
     if options.mode in ("eval", "train_and_eval", "decode"):
         eval_splits = {s: config.eval_input_params(s) for s in options.eval_splits}
@@ -327,9 +327,10 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
         params.Instantiate()  # Validates the eval input params now rather than mid-run.
     logdir = options.abs_logdir
     model_config.set_layer_profile_paths(config.task_params, logdir)
+    watch = ("" if options.mode == "export"  # Writes no summaries.
+             else f"\nWatch it with: {tensorboard_command()} --logdir {logdir}")
     print(f"Model {config.name}, mode {options.mode}, {num_cpus} logical CPU device(s).\n"
-          f"Logdir: {logdir}\nWatch it with: {tensorboard_command()} --logdir {logdir}",
-          file=out, flush=True)
+          f"Logdir: {logdir}{watch}", file=out, flush=True)
 
     if options.mode == "eval":
         return _prepare_eval(config, logdir, eval_splits, out, err)
@@ -337,6 +338,10 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
         from lingvo_lite.training import decoding
 
         return decoding.prepare_decode(config, logdir, eval_splits, out, err)
+    if options.mode == "export":
+        from lingvo_lite.training import export
+
+        return export.prepare_export(config, logdir, options.export_checkpoint, out, err)
     if cluster is not None:
         locked_job = _locked(
             logdir, err, lambda: _prepare_chief(cluster, options, config, logdir, eval_splits,

@@ -10,13 +10,14 @@ exactly consistent with training, at O(T^2) cost, fine for the lengths of this t
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 import sacrebleu
 import tensorflow as tf
 
-from lingvo_lite import fprop_context, hyperparams, pipelined_task
+from lingvo_lite import fprop_context, hyperparams, inference, pipelined_task
 from lingvo_lite.nested_map import NestedMap
 from tasks.mt import input_generator, layers, search, vocab
 
@@ -133,7 +134,8 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         dp = self.params.decoder
         beam_size = dp.beam_size if beam_size is None else beam_size
         theta = self.theta
-        batch_size = src_ids.shape[0]
+        # A static batch size, or (a serving signature's [None, S] sources) a dynamic one.
+        batch_size = src_ids.shape[0] if src_ids.shape[0] is not None else tf.shape(src_ids)[0]
         with fprop_context.fprop_context(training=False, updates=None):
             enc = self.Encode(theta, src_ids, src_paddings)
             if beam_size > 1:
@@ -187,6 +189,61 @@ class TransformerMtTask(pipelined_task.PipelinedTask):
         references = data.references[:n]
         metrics = {"bleu": corpus_bleu(hypotheses, references), "num_sentences": float(n)}
         return DecodeResult(metrics, hypotheses, references, data.sources[:n])
+
+
+    # -- serving -------------------------------------------------------------
+
+    def Inference(self) -> inference.InferenceGraph:
+        """`serving_default`: source sentences -> their beam-search translations, as strings.
+
+        Input `sentences`: string [B] (any B), raw text as in the corpus' `.src` files.
+        Outputs: `translations` string [B] (detokenised, as `Decode` writes them) and `scores`
+        float32 [B] (the chosen hypothesis' summed log-probability). Tokenisation runs in the
+        graph with tensorflow-text's sentencepiece ops (the SavedModel's client must
+        `import tensorflow_text` before loading it): the sentencepiece model of the train
+        input's data_dir is embedded in their op (it takes the model as an attribute, not a
+        file) and travels beside it as the asset `assets/spm_<vocab_size>.model`. A source is
+        truncated to max_source_length - 1 pieces plus EOS, as the input generator does;
+        translations have at most max_target_length pieces (the train input's lengths).
+        """
+        import tensorflow_text as tf_text
+
+        inp = self.params.input
+        if inp is None or not issubclass(inp.cls, input_generator.ParallelTextInput):
+            raise ValueError(f"{self.path}: Inference() needs the train input's "
+                             "ParallelTextInput params (its vocabulary and lengths).")
+        path = vocab.model_path(os.path.expanduser(inp.data_dir), inp.vocab_size)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{self.path}: the sentencepiece model {path} does not "
+                                    "exist; export from the machine and data_dir that trained "
+                                    "the model.")
+        with open(path, "rb") as f:
+            tokenizer = tf_text.SentencepieceTokenizer(model=f.read(), out_type=tf.int32)
+        max_source, max_target = inp.max_source_length, inp.max_target_length
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="sentences")])
+        def serving_default(sentences: tf.Tensor) -> dict[str, tf.Tensor]:
+            pieces = tokenizer.tokenize(sentences)[:, :max_source - 1]
+            eos = tf.fill([tf.shape(sentences)[0], 1], tf.constant(vocab.EOS_ID, tf.int32))
+            rows = tf.concat([pieces, eos], axis=1)
+            src_ids = rows.to_tensor(default_value=vocab.PAD_ID, shape=[None, max_source])
+            lengths = tf.cast(rows.row_lengths(), tf.int32)
+            src_paddings = 1.0 - tf.sequence_mask(lengths, max_source, dtype=tf.float32)
+            best = self.DecodeBatch(src_ids, src_paddings, max_target)
+            # As vocab.Vocabulary.decode: cut at the first EOS, drop padding and BOS.
+            ids = best.ids
+            before_eos = tf.equal(
+                tf.cumsum(tf.cast(tf.equal(ids, vocab.EOS_ID), tf.int32), axis=1,
+                          exclusive=True), 0)
+            keep = (before_eos & tf.not_equal(ids, vocab.EOS_ID)
+                    & tf.not_equal(ids, vocab.PAD_ID) & tf.not_equal(ids, vocab.BOS_ID))
+            translations = tokenizer.detokenize(tf.ragged.boolean_mask(ids, keep))
+            return {"translations": translations, "scores": best.scores}
+
+        return inference.InferenceGraph(
+            signatures={"serving_default": serving_default},
+            resources={"tokenizer": tokenizer,
+                       "vocabulary_file": tf.saved_model.Asset(path)})
 
 
 def transformer_task_params(
