@@ -24,7 +24,7 @@ import unittest
 
 import pytest
 from cluster_test import _free_ports
-from multi_client_helpers import Task, tf_config
+from multi_client_helpers import Task, report_time, tf_config
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
@@ -51,6 +51,7 @@ class ClusterFaultsTest(unittest.TestCase):
         started = time.monotonic()
         for task, text in zip(tasks, wanted):
             status = task.wait(timeout=BOUND_S + 60)
+            report_time(text, time.monotonic() - started)
             out = task.output
             self.assertEqual(1, status, msg=out[-3000:])
             self.assertNotIn("Traceback", out)
@@ -109,6 +110,7 @@ class ClusterFaultsTest(unittest.TestCase):
         os.kill(worker.proc.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         self.assertEqual(1, chief.wait(timeout=LOST_BOUND_S + 60), msg=chief.output[-3000:])
+        report_time("single-client worker SIGSTOP", time.monotonic() - stopped_at)
         self.assertLess(time.monotonic() - stopped_at, LOST_BOUND_S)
         self.assertEqual(1, len(chief.errors()), msg=chief.output[-3000:])
         self.assertIn("lost task 1", chief.errors()[0])
@@ -125,11 +127,13 @@ class ClusterFaultsTest(unittest.TestCase):
         chief.wait_for("Resuming training", timeout=300)
         chief.wait_for("step ", timeout=300)
         os.kill(chief.proc.pid, signal.SIGTERM)
+        termed_at = time.monotonic()
         self.assertEqual(143, chief.wait(timeout=120), msg=chief.output[-3000:])
         self.assertIn("checkpoint saved", chief.output)
         self.assertNotIn("Traceback", chief.output)
         self.assertFalse(os.path.exists(lock), "the chief left its lock after SIGTERM")
         self.assertEqual(1, worker.wait(timeout=LOST_BOUND_S + 60), msg=worker.output[-3000:])
+        report_time("single-client chief SIGTERM, worker's line", time.monotonic() - termed_at)
         self.assertIn("lost the chief", worker.output)
 
 

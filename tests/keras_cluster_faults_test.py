@@ -22,7 +22,7 @@ import time
 import pytest
 import tensorflow as tf
 from conftest import REPO
-from multi_client_helpers import addresses, tf_config
+from multi_client_helpers import addresses, report_time, tf_config
 
 from lingvo_lite.pipeline import heartbeats
 
@@ -109,6 +109,7 @@ class KerasClusterFaultsTest(tf.test.TestCase):
             killed_at = time.monotonic()
             survivor = procs["killed", 0]
             self.assertEqual(1, survivor.wait(BOUND_S + 5), survivor.output[-3000:])
+            report_time("keras worker SIGKILL", survivor.ended_at - killed_at)
             self.assertLess(survivor.ended_at - killed_at, BOUND_S)
             lost = [line.strip() for line in survivor.lines if "lost task" in line]
             # Named at once (its collective failed) or by the heartbeats (LOST_AFTER_S).

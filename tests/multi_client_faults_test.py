@@ -27,6 +27,7 @@ from multi_client_helpers import (
     Task,
     addresses,
     assert_survivor_names_the_loss,
+    report_time,
     run_to_end,
     start_cluster,
     tf_config,
@@ -102,6 +103,7 @@ class MultiClientFaultsTest(tf.test.TestCase):
         started = time.monotonic()
         for t in self.tasks:
             self.assertEqual(1, t.wait(timeout=BOUND_S + 30), msg=t.output[-3000:])
+            report_time("multi-client other flags", time.monotonic() - started)
             self.assertLen(t.errors(), 1, msg=t.output[-3000:])
             self.assertIn("the trainer.py command differs between the processes", t.errors()[0])
             self.assertIn("--max_steps=7", t.errors()[0])
