@@ -1,4 +1,4 @@
-"""A lost task of a Keras TF_CONFIG cluster ends the others in one line (pipeline/heartbeats.py).
+"""A lost task of a Keras TF_CONFIG cluster ends the others in one line (distributed/heartbeats.py).
 
 Two pairs of tasks on 127.0.0.1 run `PipelinedModel.fit` (the model of multi_client_test's
 Keras test) at once:
@@ -24,14 +24,14 @@ import tensorflow as tf
 from conftest import REPO
 from multi_client_helpers import addresses, report_time, tf_config
 
-from lingvo_lite.pipeline import heartbeats
+from lingvo_lite.distributed import heartbeats
 
 BOUND_S = 60.0
 
 TASK = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    from lingvo_lite.pipeline import process_group
+    from lingvo_lite.distributed import process_group
     group = process_group.from_tf_config(num_logical_cpus=2)  # Before any TensorFlow op.
     import keras
     import numpy as np

@@ -22,7 +22,7 @@ tasks puts one whole replica on each host (the common case: data parallelism acr
 R=1, K=2 on two tasks puts one cell on each (a model too big for one host's devices).
 
 Faults never hang. Besides its gRPC server (TCP port P of its address) every task answers
-heartbeats on UDP port P (`Channel`, pipeline/heartbeats.py, started before TensorFlow is
+heartbeats on UDP port P (`Channel`, distributed/heartbeats.py, started before TensorFlow is
 imported): every second it sends each other task a ping carrying its TF_CONFIG, and answers
 theirs. So
 - a task that does not answer for `LOST_AFTER_S` seconds is lost, whether dead or alive but
@@ -37,17 +37,15 @@ theirs. So
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 
-from lingvo_lite.pipeline import heartbeats
+from lingvo_lite.distributed import heartbeats
 
-# The heartbeats live in pipeline/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
-from lingvo_lite.pipeline.heartbeats import (  # noqa: F401 -- this module's names too.
+# The heartbeats live in distributed/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
+from lingvo_lite.distributed.cluster_spec import JOB, Cluster, ClusterSpecError, parse_tf_config
+from lingvo_lite.distributed.heartbeats import (  # noqa: F401 -- this module's names too.
     ABORT_ACK_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     LOST_AFTER_S,
@@ -64,86 +62,30 @@ from lingvo_lite.training.options import UsageError
 
 __all__: list[str] = []
 
-JOB = "worker"
 CHIEF_START_TIMEOUT_S = 120.0  # How long a worker waits for the chief to come up.
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """The tasks of the cluster (task 0 is the chief) and this process's index."""
-
-    addresses: tuple[str, ...]
-    task_index: int
-
-    @property
-    def num_tasks(self) -> int:
-        return len(self.addresses)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.task_index == 0
-
-    def devices_per_task(self, num_devices: int) -> int:
-        """D: the mesh's devices each task offers; UsageError when they do not split evenly."""
-        if num_devices % self.num_tasks:
-            raise UsageError(
-                f"TF_CONFIG names {self.num_tasks} tasks but the mesh has {num_devices} devices "
-                "(--num_replicas x --num_cells), which do not split evenly over them; make "
-                f"num_replicas x num_cells a multiple of {self.num_tasks}.")
-        return num_devices // self.num_tasks
-
-    def device(self, index: int, devices_per_task: int, device_type: str = "CPU") -> str:
-        task, local = divmod(index, devices_per_task)
-        return f"/job:{JOB}/replica:0/task:{task}/device:{device_type}:{local}"
-
-
-def from_environment(environ: Mapping[str, str] | None = None) -> ClusterConfig | None:
-    """The cluster of `TF_CONFIG`; None when unset or naming a single task.
+def from_environment(environ: Mapping[str, str] | None = None) -> Cluster | None:
+    """The cluster of `TF_CONFIG` (`cluster_spec.parse_tf_config`); None for one task.
 
     Raises:
       UsageError: TF_CONFIG is malformed, names an address twice, or its task is out of range.
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get("TF_CONFIG", "").strip()
-    if not text:
-        return None
-    example = ('e.g. TF_CONFIG=\'{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, '
-               '"task": {"type": "worker", "index": 0}}\'')
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"TF_CONFIG is not valid JSON ({e}); {example}.") from None
-    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
-        raise UsageError(f"TF_CONFIG has no 'cluster' object; {example}.")
-    cluster, task = config["cluster"], config.get("task", {})
-    jobs = set(cluster) - {"chief", JOB}
-    if jobs:
-        raise UsageError(f"TF_CONFIG: job(s) {sorted(jobs)} are not supported; list every task "
-                         f"under 'worker' (task 0 is the chief), or use 'chief' + 'worker'.")
-    addresses = list(cluster.get("chief", [])) + list(cluster.get(JOB, []))
-    if len(cluster.get("chief", [])) > 1:
-        raise UsageError("TF_CONFIG: the 'chief' job has more than one task; it has exactly one.")
-    if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
-        raise UsageError(f"TF_CONFIG: every task needs a 'host:port' address; {example}.")
-    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
-    if repeated:
-        raise UsageError(f"TF_CONFIG names {repeated[0]} more than once; each task needs its own "
-                         "host:port.")
-    if not isinstance(task, dict) or task.get("type") not in ("chief", JOB) \
-            or isinstance(task.get("index"), bool) or not isinstance(task.get("index"), int):
-        raise UsageError(f"TF_CONFIG: 'task' must be {{\"type\": \"worker\", \"index\": i}}; "
-                         f"{example}.")
-    offset = len(cluster.get("chief", [])) if task["type"] == JOB else 0
-    count = len(cluster.get(task["type"], []))
-    if not 0 <= task["index"] < count:
-        raise UsageError(f"TF_CONFIG: task index {task['index']} is out of range for the "
-                         f"{count} '{task['type']}' task(s).")
-    if len(addresses) == 1:
-        return None
-    return ClusterConfig(tuple(addresses), offset + task["index"])
+        return parse_tf_config(environ)
+    except ClusterSpecError as e:
+        raise UsageError(str(e)) from None
 
 
-def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Channel:
+def devices_per_task(config: Cluster, num_devices: int) -> int:
+    """`Cluster.devices_per_task` as a UsageError (a flag to change)."""
+    try:
+        return config.devices_per_task(num_devices)
+    except ClusterSpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def open_channel(config: Cluster, command: list[str] | None = None) -> Channel:
     """Claims this task's address (UDP and TCP port P) and starts its heartbeats.
 
     Called before TensorFlow is imported, so that a taken port or a second process with the
@@ -166,7 +108,7 @@ def announce_failure(message: str) -> None:
         channel().abort(message.removeprefix("trainer.py: error: "))
 
 
-def start_server(config: ClusterConfig, devices_per_task: int) -> None:
+def start_server(config: Cluster, devices_per_task: int) -> None:
     """Serves this task's devices (D logical CPUs) to the chief; the chief also connects.
 
     The chief's client is not one of the tasks: it joins the cluster as TensorFlow's default
@@ -204,7 +146,7 @@ class Watchdog:
     (a step waiting on a lost task cannot be interrupted otherwise).
     """
 
-    def __init__(self, config: ClusterConfig, tasks: list[int],
+    def __init__(self, config: Cluster, tasks: list[int],
                  on_lost: Callable[[int, str], None], lost_after_s: float = LOST_AFTER_S,
                  start_timeout_s: float = 0.0) -> None:
         self._config = config

@@ -6,9 +6,9 @@ Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tas
 - reads only its shard of the input: part i of every global batch (`BaseInputGenerator.shard`;
   examples, seeds and order as one process would give that part);
 - sums cell k's gradients over all R replicas of all tasks with TensorFlow's collective
-  all-reduce across the cluster (`pipeline/process_group.py`, the mechanism of
+  all-reduce across the cluster (`distributed/process_group.py`, the mechanism of
   MultiWorkerMirroredStrategy), and pools batch-norm moments and scalar outputs over the
-  global batch (`pipeline/cross_process.py`); dropout masks follow each example's place in the
+  global batch (`distributed/cross_process.py`); dropout masks follow each example's place in the
   global batch, so they do not depend on N;
 - restores the chief's latest checkpoint (every task must read the same --logdir: one
   machine, or a shared file system); the tasks check with a collective that they restored the
@@ -16,7 +16,7 @@ Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tas
   evaluations; each task saves its input position at the checkpoint steps
   (`input_positions.py`), so a rerun resumes exactly.
 
-Faults reuse the cluster's UDP heartbeats (`pipeline/heartbeats.py`): a task that stops answering
+Faults reuse the cluster's UDP heartbeats (`distributed/heartbeats.py`): a task that stops answering
 for LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line; a task
 started late is waited for (with a message, up to CHIEF_START_TIMEOUT_S); a task whose
 TF_CONFIG or trainer.py flags differ is refused in one line. A run ends when every task has
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from lingvo_lite.pipeline import heartbeats
+from lingvo_lite.distributed import cluster_spec, heartbeats
 from lingvo_lite.training import cluster as cluster_lib
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import UsageError
@@ -55,7 +55,7 @@ FINAL_WAIT_S = 30.0  # How long a finished task waits for the others to finish.
 Job = Callable[[], int]
 
 
-def choose_mode(options: RunOptions, config: cluster_lib.ClusterConfig,
+def choose_mode(options: RunOptions, config: cluster_spec.Cluster,
                 task_params: Any) -> str:
     """MULTI_CLIENT or SINGLE_CLIENT for this cluster (see the module docstring).
 
@@ -84,7 +84,7 @@ def choose_mode(options: RunOptions, config: cluster_lib.ClusterConfig,
 
 
 def prepare(options: RunOptions, config: model_config.ModelConfig,
-            cluster: cluster_lib.ClusterConfig, eval_splits: dict, out: TextIO, err: TextIO,
+            cluster: cluster_spec.Cluster, eval_splits: dict, out: TextIO, err: TextIO,
             locked: Callable[..., Job]) -> Job:
     """Setup of a multi-client task: devices, collectives, the model, restore; the job.
 
@@ -107,7 +107,7 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
             pp.placement = "auto"  # This task's own devices.
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(task_params)
 
-    from lingvo_lite.pipeline import process_group
+    from lingvo_lite.distributed import process_group
 
     process_group.initialize(cluster.addresses, me, num_cpus, options.intra_op_threads,
                              options.inter_op_threads)
@@ -163,7 +163,7 @@ def _check_options(options: RunOptions, task_params: Any, n: int) -> None:
             f"multiple of {n} (--input_params_override='batch_size : <int>').")
 
 
-def _wait_for_peers(cluster: cluster_lib.ClusterConfig, out: TextIO) -> None:
+def _wait_for_peers(cluster: cluster_spec.Cluster, out: TextIO) -> None:
     """Waits (bounded) until every other task answers heartbeats and serves collectives."""
     channel = cluster_lib.channel()
     peers = [t for t in range(cluster.num_tasks) if t != cluster.task_index]
@@ -188,25 +188,24 @@ def _wait_for_peers(cluster: cluster_lib.ClusterConfig, out: TextIO) -> None:
         time.sleep(0.5)
 
 
-def lost_message(cluster: cluster_lib.ClusterConfig, task: int, logdir: str) -> str:
+def lost_message(cluster: cluster_spec.Cluster, task: int | None, logdir: str,
+                 reason: str = "") -> str:
+    """The one line of a lost task (`cluster_spec.lost_task_message`), with the checkpoint."""
     from lingvo_lite.training import checkpointer
 
-    address = cluster.addresses[task] if 0 <= task < cluster.num_tasks else "unknown address"
-    if cluster.is_chief:
-        latest = checkpointer.latest_checkpoint(logdir)
-        kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
-        return (f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
-                f"answering; {kept}. Rerun every process with the same command to resume.")
-    whom = "the chief (task 0" if task == 0 else f"task {task} ("
-    return (f"trainer.py: error: task {cluster.task_index} lost {whom} at {address}): it "
-            f"stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before training ended. "
-            "Rerun every process with the same command to resume from the last checkpoint.")
+    latest = checkpointer.latest_checkpoint(logdir)
+    kept = (f"the last checkpoint {latest} is intact" if latest
+            else "no checkpoint was written")
+    reason = reason or (f"it stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before "
+                        "training ended")
+    return cluster_spec.lost_task_message(
+        cluster, task, reason, f"{kept}. Rerun every process with the same command to resume.")
 
 
 class _Watch(heartbeats.PeerWatch):
     """Ends this task with one line when another stops answering for LOST_AFTER_S."""
 
-    def __init__(self, cluster: cluster_lib.ClusterConfig, logdir: str) -> None:
+    def __init__(self, cluster: cluster_spec.Cluster, logdir: str) -> None:
         super().__init__(cluster, self._lost)
         self.cluster, self.logdir = cluster, logdir
 
@@ -214,16 +213,14 @@ class _Watch(heartbeats.PeerWatch):
         cluster_lib.exit_now(lost_message(self.cluster, task, self.logdir))
 
 
-def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out: TextIO,
+def _supervised(job: Job, cluster: cluster_spec.Cluster, watch: _Watch, out: TextIO,
                 err: TextIO) -> int:
     """Runs the task's job; a collective that failed names the lost task; then waits for
     every task to finish and ends the process (gRPC servers keep the interpreter alive)."""
-    import tensorflow as tf
 
     try:
         status = job()
-    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
-            tf.errors.DeadlineExceededError, tf.errors.InternalError):
+    except cluster_spec.peer_errors():
         # A task that died fails the collectives at once: name it (bounded) like the watch.
         deadline = time.monotonic() + cluster_lib.LOST_AFTER_S + 5.0
         while time.monotonic() < deadline:
@@ -231,7 +228,7 @@ def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out
                 if not cluster_lib.reachable(cluster.addresses[t], timeout=0.5):
                     cluster_lib.exit_now(lost_message(cluster, t, watch.logdir))
             time.sleep(1.0)  # Stopped, not dead: the watch ends the process.
-        cluster_lib.exit_now(lost_message(cluster, -1, watch.logdir))
+        cluster_lib.exit_now(lost_message(cluster, None, watch.logdir))
     watch.stop()
     out.flush()
     err.flush()

@@ -22,8 +22,9 @@ from typing import Any, TextIO
 import tensorflow as tf
 
 from lingvo_lite import hyperparams
+from lingvo_lite.distributed import cluster_spec
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.training import checkpointer, cluster, loop, summaries
+from lingvo_lite.training import checkpointer, loop, summaries
 from lingvo_lite.training.input_positions import InputPositions
 from lingvo_lite.training.options import UsageError
 
@@ -45,7 +46,7 @@ class _NoSummaries(summaries.SummaryWriters):
 class MultiClientTrainer(loop.Trainer):
     """`loop.Trainer` for one task of a multi-client run (see the module docstring)."""
 
-    config: cluster.ClusterConfig
+    config: cluster_spec.Cluster
     positions: InputPositions
     examples_read = 0
 
@@ -86,7 +87,7 @@ class MultiClientTrainer(loop.Trainer):
         return status
 
 
-def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster.ClusterConfig,
+def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster_spec.Cluster,
           logdir: str, params_text: str, analysis_text: str,
           eval_spec: loop.EvalSpec | None, out: TextIO, err: TextIO | None = None,
           reset_input_position: bool = False) -> MultiClientTrainer:
@@ -169,9 +170,9 @@ def _check_every_weight_is_pipelined(task: Any) -> None:
             "--cluster_mode=single_client.")
 
 
-def _check_same_step(config: cluster.ClusterConfig, step: int) -> None:
+def _check_same_step(config: cluster_spec.Cluster, step: int) -> None:
     """Every task restored the same global step (else they read different logdirs)."""
-    from lingvo_lite.pipeline import collectives
+    from lingvo_lite.distributed import collectives
 
     device = tf.config.list_logical_devices("CPU")[0].name
     reduce = collectives.AllReduce([device], group_size=config.num_tasks)

@@ -31,45 +31,28 @@ Example (every task of the cluster runs these lines with its own `index`):
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from lingvo_lite.pipeline import heartbeats as heartbeats_lib
+from lingvo_lite.distributed import heartbeats as heartbeats_lib
+from lingvo_lite.distributed.cluster_spec import (
+    JOB,
+    Cluster,
+    is_peer_error,
+    lost_task_message,
+    parse_tf_config,
+)
 
-__all__ = ["current", "from_tf_config", "initialize", "ProcessGroup"]
+__all__ = ["current", "from_tf_config", "initialize"]
 
-JOB = "worker"
 PROGRAM = "lingvo_lite"  # The prefix of this module's one-line errors.
 
 
-@dataclasses.dataclass(frozen=True)
-class ProcessGroup:
-    """The processes of a multi-client run (task 0 is the chief) and this one's index."""
-
-    addresses: tuple[str, ...]
-    index: int
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.addresses)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.index == 0
-
-    @property
-    def task_index(self) -> int:
-        return self.index
+_current: Cluster | None = None
 
 
-_current: ProcessGroup | None = None
-
-
-def current() -> ProcessGroup | None:
+def current() -> Cluster | None:
     """The group `initialize` set up in this process, or None (a single process)."""
     return _current
 
@@ -77,7 +60,7 @@ def current() -> ProcessGroup | None:
 def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | None = None,
                intra_op_threads: int | None = None,
                inter_op_threads: int | None = None,
-               heartbeats: bool = True) -> ProcessGroup:
+               heartbeats: bool = True) -> Cluster:
     """Starts this task's collective server; call before any TensorFlow op runs.
 
     The task's devices must be configured first (the server takes them as they are then), so
@@ -98,9 +81,7 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
     """
     global _current
     addresses = tuple(addresses)
-    if not 0 <= index < len(addresses):
-        raise ValueError(f"task index {index} is out of range for {len(addresses)} tasks.")
-    group = ProcessGroup(addresses, index)
+    group = Cluster(addresses, index)  # ClusterSpecError (a ValueError) if out of range.
     if _current is not None:
         if _current != group:
             raise RuntimeError(f"process_group.initialize was already called with {_current}.")
@@ -140,41 +121,30 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
 
 
 def from_tf_config(environ: Mapping[str, str] | None = None,
-                   **device_options: int | None) -> ProcessGroup | None:
+                   **device_options: int | None) -> Cluster | None:
     """`initialize` from the `TF_CONFIG` environment variable (as tf.distribute reads it).
 
-    The tasks are the 'chief' job's (if any) then the 'worker' job's; None when TF_CONFIG is
-    unset or names one task. trainer.py validates TF_CONFIG more thoroughly (cluster.py).
-    `device_options` are `initialize`'s keyword arguments (num_logical_cpus, ..., heartbeats).
+    None when TF_CONFIG is unset or names one task. `device_options` are `initialize`'s
+    keyword arguments (num_logical_cpus, ..., heartbeats).
+
+    Raises:
+      cluster_spec.ClusterSpecError: TF_CONFIG is malformed (one line; as trainer.py's).
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get("TF_CONFIG", "").strip()
-    if not text:
+    cluster = parse_tf_config(environ)
+    if cluster is None:
         return None
-    config = json.loads(text)
-    cluster, task = config.get("cluster", {}), config.get("task", {})
-    addresses = list(cluster.get("chief", [])) + list(cluster.get(JOB, []))
-    if len(addresses) < 2:
-        return None
-    offset = len(cluster.get("chief", [])) if task.get("type") == JOB else 0
-    return initialize(addresses, offset + int(task.get("index", 0)), **device_options)
+    return initialize(cluster.addresses, cluster.task_index, **device_options)
 
 
-# TensorFlow's errors of a collective whose peer failed (as trainer.py's multi-client mode).
-_PEER_ERRORS = ("UnavailableError", "AbortedError", "CancelledError", "DeadlineExceededError",
-                "InternalError")
-
-
-def _lost_message(group: ProcessGroup, task: int, address: str, what: str = "") -> str:
+def _lost_message(group: Cluster, task: int, address: str, what: str = "") -> str:
     beats = heartbeats_lib.channel()
     if not what and beats is not None and beats.last_answer(task) is None:
         what = f"it did not start within {heartbeats_lib.START_TIMEOUT_S:.0f} s"
     what = what or f"it stopped answering for {heartbeats_lib.LOST_AFTER_S:.0f} s"
-    return (f"{PROGRAM}: error: task {group.index} lost task {task} ({address}) of the "
-            f"cluster: {what}; rerun every task.")
+    return lost_task_message(group, task, what, "rerun every task.", PROGRAM)
 
 
-def _start_heartbeats(group: ProcessGroup) -> None:
+def _start_heartbeats(group: Cluster) -> None:
     """Heartbeats, the watch that ends this process when a peer is lost, and the exit hooks."""
     beats = heartbeats_lib.open_channel(group, program=PROGRAM)
     watch = heartbeats_lib.PeerWatch(
@@ -187,7 +157,7 @@ def _start_heartbeats(group: ProcessGroup) -> None:
         # A collective that failed because a peer died: name the peer (bounded), no traceback.
         failed.append(True)
         beats.set_state("failed")
-        peer_error = type(value).__name__ in _PEER_ERRORS
+        peer_error = is_peer_error(value)
         deadline = time.monotonic() + heartbeats_lib.LOST_AFTER_S + 5.0
         while time.monotonic() < deadline:
             for t in watch.peers:
