@@ -28,6 +28,7 @@ TASK = r'''
 import json, os, sys, threading, time
 spec = json.loads(sys.argv[1])
 addresses, index, hb_ms, health = spec["addresses"], spec["index"], spec["hb_ms"], spec["health"]
+steps, linger = spec["steps"], spec["linger"]
 import tensorflow as tf
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
@@ -74,7 +75,7 @@ def step(x):
 x = tf.ones([1000])
 s = 0
 try:
-    while True:
+    while s < steps:
         s += 1
         step(x).numpy()
         print(f"EVENT step {s}", flush=True)
@@ -83,6 +84,10 @@ except Exception as e:
     print(f"EVENT raised {type(e).__name__} {' '.join(str(e).split())[:200]}", flush=True)
     print("EVENT exiting", flush=True)
     sys.exit(1)
+t1 = time.monotonic()
+print(f"EVENT done {steps} steps; lingering {linger} s", flush=True)
+time.sleep(linger)
+print("EVENT exiting 0", flush=True)
 '''
 
 
@@ -99,6 +104,8 @@ def main() -> None:
     parser.add_argument("--health_check", action="store_true")
     parser.add_argument("--heartbeat_timeout_s", type=float, default=10.0)
     parser.add_argument("--give_up_s", type=float, default=90.0)
+    parser.add_argument("--finish_first", action="store_true",
+                        help="both run 20 steps; the victim exits at once, the other 25 s later")
     args = parser.parse_args()
     addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
@@ -106,7 +113,10 @@ def main() -> None:
     for i in range(2):
         spec = json.dumps({"addresses": addresses, "index": i,
                            "hb_ms": int(args.heartbeat_timeout_s * 1000),
-                           "health": args.health_check})
+                           "health": args.health_check,
+                           "steps": 20 if args.finish_first else 10**9,
+                           "linger": (0 if i == args.victim else 25) if args.finish_first
+                           else 0})
         p = subprocess.Popen([sys.executable, "-c", TASK, spec], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
@@ -122,7 +132,12 @@ def main() -> None:
             print("\n".join(t for _, t in lines[args.victim][-30:]))
             raise SystemExit("victim never reached step 20")
         time.sleep(0.05)
-    os.kill(victim.pid, getattr(signal, "SIG" + args.signal))
+    if args.finish_first:
+        hit = time.monotonic()
+        victim.wait()
+        print(f"victim exited {victim.returncode} after {time.monotonic() - hit:.1f} s")
+    else:
+        os.kill(victim.pid, getattr(signal, "SIG" + args.signal))
     hit = time.monotonic()
     try:
         status = survivor.wait(timeout=args.give_up_s)
