@@ -1,12 +1,12 @@
-"""A lost task of a Keras TF_CONFIG cluster ends the others in one line (distributed/heartbeats.py).
+"""A lost task of a Keras TF_CONFIG cluster ends the others in one line (TF's coordination service).
 
 Two pairs of tasks on 127.0.0.1 run `PipelinedModel.fit` (the model of multi_client_test's
 Keras test) at once:
 - task 1 of the first pair is killed (kill -9) at step 5 of a long fit: task 0, waiting in a
   collective, ends with exit status 1 within 60 s and exactly one line naming task 1, no
   traceback;
-- the second pair trains to the end, but task 0 stays alive for LOST_AFTER_S + 3 s after task
-  1 has exited: task 1 said 'finished' at exit, so both end with exit status 0.
+- the second pair trains to the end, but task 0 stays alive for HEARTBEAT_TIMEOUT_S + 3 s after
+  task 1 has exited: a finished task is not waited for, so both end with exit status 0.
 Processes are stopped by PID.
 """
 
@@ -24,7 +24,7 @@ import tensorflow as tf
 from conftest import REPO
 from multi_client_helpers import addresses, report_time, tf_config
 
-from lingvo_lite.distributed import heartbeats
+from lingvo_lite.distributed import process_group
 
 BOUND_S = 60.0
 
@@ -100,7 +100,7 @@ class KerasClusterFaultsTest(tf.test.TestCase):
 
     def test_a_killed_task_ends_the_other_in_one_line_a_finished_one_does_not(self):
         killed, normal = addresses(2), addresses(2)
-        linger_s = heartbeats.LOST_AFTER_S + 3.0
+        linger_s = process_group.HEARTBEAT_TIMEOUT_S + 3.0
         procs = {("killed", i): _Proc(tf_config(killed, i), 500, 0.0) for i in (1, 0)}
         procs.update({("normal", i): _Proc(tf_config(normal, i), 2, linger_s) for i in (1, 0)})
         try:
@@ -112,21 +112,22 @@ class KerasClusterFaultsTest(tf.test.TestCase):
             report_time("keras worker SIGKILL", survivor.ended_at - killed_at)
             self.assertLess(survivor.ended_at - killed_at, BOUND_S)
             lost = [line.strip() for line in survivor.lines if "lost task" in line]
-            # Named at once (its collective failed) or by the heartbeats (LOST_AFTER_S).
+            # Named at once (its collective failed) or by the coordination service's heartbeats.
             self.assertLen(lost, 1, survivor.output[-3000:])
             self.assertRegex(lost[0], rf"^lingvo_lite: error: task 0 lost task 1 "
                              rf"\({killed[1]}\) of the cluster: it (is gone \(a collective "
-                             rf"with it failed and it no longer answers\)|stopped answering "
-                             rf"for {heartbeats.LOST_AFTER_S:.0f} s); rerun every task\.$")
+                             rf"with it failed\)|sent no heartbeat for "
+                             rf"{process_group.HEARTBEAT_TIMEOUT_S:.0f} s \(dead or stopped\)); "
+                             rf"rerun every task\.$")
             self.assertEqual(lost[0], survivor.lines[-1].strip())
             self.assertNotIn("Traceback", survivor.output)
 
             for i in (0, 1):
                 self.assertEqual(0, procs["normal", i].wait(240), procs["normal", i].output)
                 self.assertIn(f"task {i} fit done", procs["normal", i].output)
-            # Task 0 outlived task 1 by more than LOST_AFTER_S and was not stopped.
+            # Task 0 outlived task 1 by more than HEARTBEAT_TIMEOUT_S and was not stopped.
             self.assertGreater(procs["normal", 0].ended_at - procs["normal", 1].ended_at,
-                               heartbeats.LOST_AFTER_S)
+                               process_group.HEARTBEAT_TIMEOUT_S)
         finally:
             for p in procs.values():
                 if p.proc.poll() is None:

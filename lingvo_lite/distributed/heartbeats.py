@@ -1,16 +1,24 @@
-"""Heartbeats between the tasks of a TF_CONFIG cluster: a lost task ends the others in one line.
+"""What TensorFlow does not do for a cluster: start-up faults, and single-client liveness.
 
-A collective waiting on a task that died or was stopped (SIGSTOP, a hung host) waits forever.
-So every task answers heartbeats on UDP port P of its address (beside the TCP port P of its
-gRPC server): every HEARTBEAT_INTERVAL_S it pings each other task and answers their pings
-(`Channel`). `PeerWatch` declares a task lost when it has not answered for LOST_AFTER_S and
-then ends this process with one line (`exit_now`: a thread blocked in TensorFlow cannot be
-interrupted otherwise). A task that finished normally says so in its heartbeats (state
-'finished'), so the others do not count its silence as a loss. A ping from a process with a
-different cluster list, or claiming this task's own index, is refused on both sides.
+TensorFlow's coordination service (process_group.py) keeps a multi-client cluster alive, but
+it exists only once every task's TensorFlow has started and joined it. Before that, a task
+whose port is taken, two processes given the same task index, or tasks whose TF_CONFIG lists
+differ (another leader) would only meet its registration timeout (START_TIMEOUT_S, 120 s).
+So trainer.py claims its address before TensorFlow loads: every task answers small UDP
+messages on its port number (`Channel`): pings carrying its TF_CONFIG list, and 'abort' from
+a task that cannot start; a mismatch ends both sides in one line within a second. In
+multi-client mode the channel is closed (`close_channel`) once the coordination service is
+up and the tasks agreed: a running task has one open port, its gRPC server's. With UDP
+filtered, these start-up faults fall back to the registration timeout.
 
-trainer.py (training/cluster.py, training/multi_client.py) and Keras in a TF_CONFIG cluster
-(process_group.initialize) share this module.
+In single-client mode (one client drives every task's devices with remote ops, not
+collectives, and the serving tasks run no eager context of their own) there is no
+coordination service, so the channel stays open: `PeerWatch` declares a task lost when it has
+not answered for LOST_AFTER_S (dead, or stopped: a stopped process's kernel still accepts TCP
+connections) and ends the process with one line (`exit_now`: a thread blocked in a remote op
+cannot be interrupted otherwise). A task that finished normally says so (state 'finished').
+There the trainer.py commands are compared too (`set_mode`); in multi-client mode they are
+compared through the coordination service.
 
 Example (two processes, each with its own index; both end with one line if the other stops):
 
@@ -33,7 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Channel", "Members", "PeerWatch", "channel", "exit_now", "open_channel"]
+__all__ = ["Channel", "Members", "PeerWatch", "channel", "close_channel", "exit_now",
+           "open_channel"]
 
 LOST_AFTER_S = 15.0  # A task unreachable this long is lost (the whole run stops within ~20 s).
 START_TIMEOUT_S = 120.0  # How long a task that never answered is waited for.
@@ -41,6 +50,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
 ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
 FINISHED = "finished"
+SINGLE_CLIENT = "single_client"  # The mode whose commands the channel compares.
 
 
 class Cluster(Protocol):
@@ -91,7 +101,8 @@ class Channel:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._message = {"index": config.task_index, "addresses": list(config.addresses),
-                         "pid": os.getpid(), "command": command, "state": "running"}
+                         "pid": os.getpid(), "command": command, "state": "running",
+                         "mode": None}
         threading.Thread(target=self._receive, name="cluster-heartbeat-rx", daemon=True).start()
         threading.Thread(target=self._ping_loop, name="cluster-heartbeat-tx",
                          daemon=True).start()
@@ -108,6 +119,13 @@ class Channel:
         """What this task tells the others in its heartbeats, e.g. 'finished'."""
         with self._lock:
             self._message = dict(self._message, state=state)
+
+    def set_mode(self, mode: str) -> None:
+        """This task's cluster mode, once chosen: commands are compared between tasks whose
+        modes differ or are both SINGLE_CLIENT (multi-client tasks compare them through the
+        coordination service)."""
+        with self._lock:
+            self._message = dict(self._message, mode=mode)
 
     def ping_now(self) -> None:
         """Pings every other task at once (e.g. to tell a new state before exiting)."""
@@ -175,7 +193,9 @@ class Channel:
                          f"({where}): two processes have TF_CONFIG task index {index}; give "
                          "each process its own index, then rerun every process.")
             theirs, ours = message.get("command"), self._message["command"]
-            if theirs is not None and ours is not None and theirs != ours:
+            modes = {message.get("mode"), self._message.get("mode")}
+            if None not in modes and modes != {"multi_client"} and theirs is not None \
+                    and ours is not None and theirs != ours:
                 if kind == "ping":
                     self._send("pong", sender)  # Lets the sender report the mismatch too.
                 exit_now(command_mismatch_message(self.config, index, ours, theirs))
@@ -201,6 +221,10 @@ class Channel:
 
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # Wakes the receiving thread (Linux).
+        except OSError:
+            pass
         self._sock.close()
 
 
@@ -233,6 +257,14 @@ _stderr_fd: int | None = None  # A copy of fd 2 taken by `open_channel`, for `ex
 def channel() -> Channel | None:
     """The channel `open_channel` started in this process, if any."""
     return _channel
+
+
+def close_channel() -> None:
+    """Closes this process's channel (its UDP socket and threads), if any."""
+    global _channel
+    if _channel is not None:
+        _channel.close()
+        _channel = None
 
 
 def open_channel(config: Cluster, command: list[str] | None = None,

@@ -13,12 +13,18 @@ the same order (collectives.py).
 constructor; then `current()` tells every PipeliningLayer built afterwards how many
 processes share its mesh and which one this is.
 
-A lost task never hangs the others: `initialize` also starts this task's heartbeats (UDP on
-its port number, `heartbeats.py`, as trainer.py's tasks). A task that stops answering for
-LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line naming it and
-exit status 1, even while they wait inside a collective; so does a failed collective whose
-peer is gone. A task that ends normally says 'finished' at interpreter exit, so tasks that
-finish at slightly different times end with their own status.
+A lost task never hangs the others, by TensorFlow's own machinery, configured as the strategy
+configures it: `initialize` starts TensorFlow's coordination service (led by task 0; one port
+per task, the gRPC server's). Every task sends it heartbeats; a task silent for
+HEARTBEAT_TIMEOUT_S (dead, or stopped with SIGSTOP) is reported to every other task, whose
+collectives are then aborted: a step waiting on the lost task raises (UnavailableError, or
+DeadlineExceededError when the leader itself is lost) instead of waiting forever, and a
+collective with a dead task fails at once. The program then leaves through its normal exit
+path; `lost_task` names the task from the error (`watch=True` does it for an uncaught error:
+one line, exit status 1). `initialize` returns when every task has joined (bounded by
+START_TIMEOUT_S) and the tasks' TF_CONFIG lists agree (`agree_on`, the service's key-value
+store). A task that ends normally is not waited for: it is reported lost only to a task that
+still needs it in a collective (bench/coordination_probe.py --finish_first).
 
 Example (every task of the cluster runs these lines with its own `index`):
 
@@ -30,24 +36,27 @@ Example (every task of the cluster runs these lines with its own `index`):
 
 from __future__ import annotations
 
-import atexit
+import json
+import re
+import socket
 import sys
-import time
 from collections.abc import Mapping, Sequence
 
-from lingvo_lite.distributed import heartbeats as heartbeats_lib
 from lingvo_lite.distributed.cluster_spec import (
     JOB,
     Cluster,
+    ClusterSpecError,
     is_peer_error,
     lost_task_message,
     parse_tf_config,
 )
 
-__all__ = ["current", "from_tf_config", "initialize"]
+__all__ = ["agree_on", "current", "from_tf_config", "initialize", "lost_task", "wait_for_all"]
 
 PROGRAM = "lingvo_lite"  # The prefix of this module's one-line errors.
-
+HEARTBEAT_TIMEOUT_S = 10.0  # The coordination service's: a task silent this long is lost.
+START_TIMEOUT_S = 120.0  # How long `initialize` waits for every task to join.
+_KEY_PREFIX = "lingvo_lite"
 
 _current: Cluster | None = None
 
@@ -60,33 +69,35 @@ def current() -> Cluster | None:
 def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | None = None,
                intra_op_threads: int | None = None,
                inter_op_threads: int | None = None,
-               heartbeats: bool = True) -> Cluster:
-    """Starts this task's collective server; call before any TensorFlow op runs.
+               watch: bool = True) -> Cluster:
+    """Starts this task's collective server and the coordination service; before any TF op.
 
     The task's devices must be configured first (the server takes them as they are then), so
     the logical CPUs and thread pools are set here, like `devices.configure_logical_cpus`.
+    Returns when every task has joined and their TF_CONFIG lists agree.
 
     Args:
       addresses: 'host:port' of every task, the same list in every process.
-      index: this process's task index (0: the chief, which also leads the groups).
+      index: this process's task index (0: the chief, which also leads the groups and the
+        coordination service).
       num_logical_cpus: logical CPU devices of this task (None: TensorFlow's one CPU).
       intra_op_threads, inter_op_threads: thread-pool sizes (None: TensorFlow's).
-      heartbeats: watch the other tasks (module docstring); skipped when this process already
-        runs heartbeats (trainer.py watches its tasks itself).
+      watch: an uncaught error of a lost peer ends the program with one line naming the
+        task instead of a traceback (trainer.py reports its own).
 
     Raises:
       RuntimeError: TensorFlow already ran an op (collectives can no longer be configured),
-        or this task's port is taken (heartbeats.AddressInUseError).
-      ValueError: `index` is out of range.
+        this task's port is taken, or a task did not join within START_TIMEOUT_S.
+      ClusterSpecError: `index` is out of range, or the tasks' TF_CONFIG lists differ.
     """
     global _current
-    addresses = tuple(addresses)
-    group = Cluster(addresses, index)  # ClusterSpecError (a ValueError) if out of range.
+    group = Cluster(tuple(addresses), index)
     if _current is not None:
         if _current != group:
             raise RuntimeError(f"process_group.initialize was already called with {_current}.")
         return _current
     import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
 
@@ -101,7 +112,7 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
         if inter_op_threads:
             tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
         ctx.configure_collective_ops(
-            collective_leader=f"/job:{JOB}/replica:0/task:0",
+            collective_leader=group.task_name(0),
             scoped_allocator_enabled_ops=("CollectiveReduce",),
             device_filters=(f"/job:{JOB}/task:{index}",))
     except RuntimeError:
@@ -109,23 +120,45 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
             "process_group.initialize must run before TensorFlow executes any op (as "
             "MultiWorkerMirroredStrategy must be created first); call it at program start, "
             "before configure_logical_cpus and before building a model.") from None
-    if heartbeats and heartbeats_lib.channel() is None:
-        _start_heartbeats(group)
-    spec = tf.train.ClusterSpec({JOB: list(addresses)})
-    port = int(addresses[index].rpartition(":")[2])
-    ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
-        cluster=spec.as_cluster_def(), default_session_config=ctx.config, job_name=JOB,
-        task_index=index, protocol="grpc", port=port))
+    check_port_free(group)
+    # As MultiWorkerMirroredStrategy does (collective_all_reduce_strategy.py): the service's
+    # heartbeats replace its Python health-check thread.
+    ctx.configure_coordination_service(
+        service_type="standalone", service_leader=group.task_name(0),
+        heartbeat_timeout_in_ms=int(HEARTBEAT_TIMEOUT_S * 1000),
+        cluster_register_timeout_in_ms=int(START_TIMEOUT_S * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+            name=JOB, num_tasks=group.num_tasks)])
+    if watch:
+        _watch_uncaught_errors(group)
+    spec = tf.train.ClusterSpec({JOB: list(group.addresses)})
+    try:
+        ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
+            cluster=spec.as_cluster_def(), default_session_config=ctx.config, job_name=JOB,
+            task_index=index, protocol="grpc", port=int(group.address.rpartition(":")[2])))
+    except tf.errors.OpError as e:
+        raise RuntimeError(
+            f"task {index} of the cluster {list(group.addresses)}: not every task joined "
+            f"within {START_TIMEOUT_S:.0f} s ({_first_line(e)}); start every task, each with "
+            "its own TF_CONFIG index and the same list.") from None
     _current = group
+    differ = agree_on("tf_config", json.dumps(list(group.addresses)))
+    if differ:
+        task, theirs = next(iter(differ.items()))
+        raise ClusterSpecError(
+            f"TF_CONFIG differs between the processes: this one (task {index}) lists "
+            f"{list(group.addresses)}, task {task} lists {json.loads(theirs)}; give every "
+            "process the same 'cluster' list and its own 'task' index, then rerun every "
+            "process.")
     return group
 
 
 def from_tf_config(environ: Mapping[str, str] | None = None,
-                   **device_options: int | None) -> Cluster | None:
+                   **device_options: int | bool | None) -> Cluster | None:
     """`initialize` from the `TF_CONFIG` environment variable (as tf.distribute reads it).
 
     None when TF_CONFIG is unset or names one task. `device_options` are `initialize`'s
-    keyword arguments (num_logical_cpus, ..., heartbeats).
+    keyword arguments (num_logical_cpus, ..., watch).
 
     Raises:
       cluster_spec.ClusterSpecError: TF_CONFIG is malformed (one line; as trainer.py's).
@@ -136,49 +169,109 @@ def from_tf_config(environ: Mapping[str, str] | None = None,
     return initialize(cluster.addresses, cluster.task_index, **device_options)
 
 
-def _lost_message(group: Cluster, task: int, address: str, what: str = "") -> str:
-    beats = heartbeats_lib.channel()
-    if not what and beats is not None and beats.last_answer(task) is None:
-        what = f"it did not start within {heartbeats_lib.START_TIMEOUT_S:.0f} s"
-    what = what or f"it stopped answering for {heartbeats_lib.LOST_AFTER_S:.0f} s"
-    return lost_task_message(group, task, what, "rerun every task.", PROGRAM)
+def check_port_free(cluster: Cluster) -> None:
+    """Raises RuntimeError (one line) if this task's TCP port is held by another program."""
+    port = int(cluster.address.rpartition(":")[2])
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
+    try:
+        probe.bind(("", port))
+    except OSError as e:
+        raise RuntimeError(
+            f"TF_CONFIG task {cluster.task_index}'s address {cluster.address} is in use by "
+            f"another program (TCP port {port}: {e.strerror}); free it or give this task "
+            "another port in every process's TF_CONFIG.") from None
+    finally:
+        probe.close()
 
 
-def _start_heartbeats(group: Cluster) -> None:
-    """Heartbeats, the watch that ends this process when a peer is lost, and the exit hooks."""
-    beats = heartbeats_lib.open_channel(group, program=PROGRAM)
-    watch = heartbeats_lib.PeerWatch(
-        group, lambda t, address: heartbeats_lib.exit_now(_lost_message(group, t, address)),
-        start_timeout_s=heartbeats_lib.START_TIMEOUT_S).start()
+def agree_on(name: str, value: str, timeout_s: float = START_TIMEOUT_S) -> dict[int, str]:
+    """Every task's `value` for `name`, through the coordination service's key-value store.
+
+    Each task publishes its value and reads every other task's (waiting up to `timeout_s`
+    for it). Returns {task: its value} for the tasks whose value differs from this one's
+    (empty: all agree). Every task sees the same differences, so each refuses on its side.
+    """
+    from tensorflow.python.eager import context
+
+    group = _require()
+    ctx = context.context()
+    ctx.set_config_key_value(f"{_KEY_PREFIX}/{name}/{group.task_index}", value)
+    differ = {}
+    for t in group.peers:
+        theirs = ctx.get_config_key_value(f"{_KEY_PREFIX}/{name}/{t}",
+                                          timeout_in_ms=int(timeout_s * 1000))
+        if theirs != value:
+            differ[t] = theirs
+    return differ
+
+
+def wait_for_all(name: str, timeout_s: float) -> bool:
+    """A barrier of the coordination service: True when every task reached it in time."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    _require()
+    try:
+        context.context().wait_at_barrier(f"{_KEY_PREFIX}/{name}", int(timeout_s * 1000))
+    except tf.errors.OpError:
+        return False
+    return True
+
+
+def lost_task(error: BaseException, cluster: Cluster | None = None) -> tuple[int | None, str]:
+    """(the lost task, why) for an error a lost peer caused (`cluster_spec.is_peer_error`).
+
+    Read from TensorFlow's message (the task a failed collective names, the unhealthy task the
+    coordination service reports, the leader whose heartbeats failed); else the first peer
+    that fails TensorFlow's peer health check (`check_collective_ops_peer_health`).
+    """
+    group = cluster or _require()
+    text = " ".join(str(getattr(error, "message", error)).split())
+    named = [int(t) for t in re.findall(r"/job:\w+/replica:\d+/task:(\d+)", text)
+             if int(t) != group.task_index and int(t) < group.num_tasks]
+    if named and "stopped sending heartbeats" in text:
+        return named[0], (f"it sent no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s (dead or "
+                          "stopped)")
+    if named:
+        return named[0], "it is gone (a collective with it failed)"
+    if "CoordinationService" in text and not group.is_chief:
+        return 0, (f"it leads the coordination service, which did not answer for "
+                   f"{HEARTBEAT_TIMEOUT_S:.0f} s (dead or stopped)")
+    from tensorflow.python.eager import context
+
+    for t in group.peers:
+        try:
+            context.context().check_collective_ops_peer_health(group.task_name(t),
+                                                               timeout_in_ms=2000)
+        except Exception:  # noqa: BLE001 -- any failure: this peer does not answer.
+            return t, "it does not answer TensorFlow's peer health check"
+    return None, f"a collective failed ({text[:200]})"
+
+
+def _require() -> Cluster:
+    if _current is None:
+        raise RuntimeError("process_group.initialize has not been called in this process.")
+    return _current
+
+
+def _first_line(error: BaseException) -> str:
+    return " ".join(str(getattr(error, "message", error)).split())[:200]
+
+
+def _watch_uncaught_errors(group: Cluster) -> None:
+    """An uncaught error of a lost peer: one line naming the task (exit status 1), no traceback.
+
+    The interpreter then exits as usual (atexit handlers and `finally` blocks have run).
+    """
     previous_hook = sys.excepthook
-    failed: list[bool] = []
 
     def excepthook(kind, value, traceback) -> None:
-        # A collective that failed because a peer died: name the peer (bounded), no traceback.
-        failed.append(True)
-        beats.set_state("failed")
-        peer_error = is_peer_error(value)
-        deadline = time.monotonic() + heartbeats_lib.LOST_AFTER_S + 5.0
-        while time.monotonic() < deadline:
-            for t in watch.peers:
-                if watch.finished(t) and not peer_error:
-                    continue  # E.g. this task's own error after a peer's normal end.
-                address = group.addresses[t]
-                if (not heartbeats_lib.reachable(address, timeout=0.5)
-                        or watch.stale(t) > 3 * heartbeats_lib.HEARTBEAT_INTERVAL_S):
-                    heartbeats_lib.exit_now(_lost_message(
-                        group, t, address, "it is gone (a collective with it failed and it "
-                        "no longer answers)"))
-            if not peer_error:
-                break  # This task's own error: checked once.
-            time.sleep(1.0)
-        previous_hook(kind, value, traceback)
-
-    def finish() -> None:
-        watch.stop()
-        if not failed:
-            beats.set_state(heartbeats_lib.FINISHED)
-            beats.ping_now()
+        if not is_peer_error(value):
+            previous_hook(kind, value, traceback)
+            return
+        task, why = lost_task(value, group)
+        print(lost_task_message(group, task, why, "rerun every task.", PROGRAM),
+              file=sys.stderr, flush=True)
 
     sys.excepthook = excepthook
-    atexit.register(finish)

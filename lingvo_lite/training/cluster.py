@@ -7,24 +7,27 @@ variable `tf.distribute`'s cluster resolvers read:
                 "task": {"type": "worker", "index": 0}}'
 
 This module is the single-client mode (`--cluster_mode=single_client`, and `auto` when a
-replica's cells must span tasks); the default when every replica fits on one task is
-multi-client (`multi_client.py`: every task a client of its own replicas), which reuses the
-heartbeats below. In single-client mode every task serves its devices with a TensorFlow gRPC
-server, and task 0, the chief, is also the one client: it builds the model, reads the input,
-places replica r's cell k on a device of the cluster (`placement='cluster'`), runs the steps
-(activations cross hosts as TensorFlow's own send/receive, gradients are all-reduced with
-collective ops), and alone writes checkpoints, summaries and params.txt. The other tasks serve
-until the chief is gone.
+replica's cells must span tasks); the default when every replica fits on one task is multi-
+client (`multi_client.py`: every task a client of its own replicas), which uses the start-up
+channel below and then TensorFlow's coordination service. In single-client mode every task
+serves its devices with a TensorFlow gRPC server, and task 0, the chief, is also the one client:
+it builds the model, reads the input, places replica r's cell k on a device of the cluster
+(`placement='cluster'`), runs the steps (activations cross hosts as TensorFlow's own
+send/receive, gradients are all-reduced with collective ops), and alone writes checkpoints,
+summaries and params.txt. The other tasks serve until the chief is gone.
 
 The R x K devices of the mesh are spread evenly, replica-major, over the tasks: with N tasks each
 task offers D = R*K/N devices, and device i is device i % D of task i // D. So R=2, K=2 on two
 tasks puts one whole replica on each host (the common case: data parallelism across hosts), and
 R=1, K=2 on two tasks puts one cell on each (a model too big for one host's devices).
 
-Faults never hang. Besides its gRPC server (TCP port P of its address) every task answers
-heartbeats on UDP port P (`Channel`, distributed/heartbeats.py, started before TensorFlow is
-imported): every second it sends each other task a ping carrying its TF_CONFIG, and answers
-theirs. So
+Faults never hang. Here TensorFlow offers no liveness of its own (no coordination service in
+this mode; `check_collective_ops_peer_health` raises InternalError for the client's local
+collectives; a step blocked on a stopped task is not ended by `CancellationManager.start_cancel`
+nor `abort_collective_ops`: bench/single_client_probe.py). So besides its gRPC server (TCP port
+P of its address) every task answers heartbeats on UDP port P (`Channel`,
+distributed/heartbeats.py, started before TensorFlow is imported): every second it sends each
+other task a ping carrying its TF_CONFIG, and answers theirs. So
 - a task that does not answer for `LOST_AFTER_S` seconds is lost, whether dead or alive but
   stuck (SIGSTOP, a hung host: its kernel still accepts TCP connections, a TCP probe would
   call it alive); the run ends with one line naming it (exit status 1), and re-running every
@@ -96,10 +99,20 @@ def open_channel(config: Cluster, command: list[str] | None = None) -> Channel:
     Raises:
       UsageError: the port is taken (the message names who holds it, when it is a trainer).
     """
+    global _command
+    _command = command
     try:
         return heartbeats.open_channel(config, command)
     except heartbeats.AddressInUseError as e:
         raise UsageError(str(e)) from None
+
+
+_command: list[str] | None = None
+
+
+def command() -> list[str] | None:
+    """The trainer.py flags (sorted) `open_channel` was given: what every task must share."""
+    return _command
 
 
 def announce_failure(message: str) -> None:

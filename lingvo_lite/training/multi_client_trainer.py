@@ -171,17 +171,14 @@ def _check_every_weight_is_pipelined(task: Any) -> None:
 
 
 def _check_same_step(config: cluster_spec.Cluster, step: int) -> None:
-    """Every task restored the same global step (else they read different logdirs)."""
-    from lingvo_lite.distributed import collectives
+    """Every task restored the same global step (else they read different logdirs): agreed
+    through the coordination service's key-value store."""
+    from lingvo_lite.distributed import process_group
 
-    device = tf.config.list_logical_devices("CPU")[0].name
-    reduce = collectives.AllReduce([device], group_size=config.num_tasks)
-    value = tf.constant([float(step), float(step) ** 2], tf.float64)
-    with tf.device(device):
-        total, squares = reduce([[value]])[0][0].numpy()
-    n = config.num_tasks
-    if total * total != n * squares:  # Equal only when every task's step is the same.
+    differ = process_group.agree_on("restored_step", str(step))
+    if differ:
+        task, theirs = next(iter(differ.items()))
         raise UsageError(
             f"the tasks restored different checkpoints (task {config.task_index}: global step "
-            f"{step}; mean over the tasks {total / n:g}): every task must read the chief's "
+            f"{step}; task {task}: global step {theirs}): every task must read the chief's "
             "checkpoints, i.e. the same --logdir on one machine or a shared file system.")

@@ -303,6 +303,8 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
                 multi_client.MULTI_CLIENT:  # Every task a client of its own replicas.
             return multi_client.prepare(options, config, cluster, eval_splits, out, err,
                                         locked=_locked)
+        if cluster_lib.channel() is not None:  # Single-client: the channel compares flags.
+            cluster_lib.channel().set_mode(multi_client.SINGLE_CLIENT)
         # The mesh's R x K devices are spread evenly over the tasks; each serves its share.
         num_cpus = cluster_lib.devices_per_task(
             cluster, model_config.auto_num_logical_cpus(config.task_params))
