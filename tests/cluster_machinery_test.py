@@ -3,8 +3,8 @@
 - The start-up agreement: two tasks that publish different values through the coordination
   service's key-value store (`process_group.agree_on`) each see the other's, and tasks whose
   TF_CONFIG lists differ are both refused by `process_group.initialize`; no UDP channel runs.
-- A running multi-client task has no UDP socket: its sockets are read from /proc/<pid>/fd and
-  /proc/<pid>/net/udp{,6} (one open port per task, the gRPC server's).
+- A running task (multi-client and single-client) has no UDP socket: its sockets are read from
+  /proc/<pid>/fd and /proc/<pid>/net/udp{,6} (one open port per task, the gRPC server's).
 - The fault path never calls os._exit: a trainer whose peer is killed mid-run ends with one
   line, exit status 1 and its lock removed, and the only os._exit it reaches is trainer.py's
   normal exit (`_exit_promptly`, after `runner.main` returned).
@@ -123,11 +123,21 @@ class ClusterMachineryTest(tf.test.TestCase):
             self.assertIn("REFUSED TF_CONFIG differs between the processes", out)
 
     def test_a_running_task_has_no_udp_socket(self):
+        single = ["--num_replicas=1", "--num_cells=2",
+                  "--model_params_override=train.save_interval_steps : 10"]
+        for mode, flags, model in (
+                ("multi_client", FLAGS, "tests.multi_client_models.TinyMlpBnNoisy"),
+                ("single_client", single, "tests.testdata_models.TinyMlp")):
+            with self.subTest(mode):
+                self._check_sockets(mode, flags, model)
+
+    def _check_sockets(self, mode: str, flags: list[str], model: str) -> None:
         where = addresses(2)
-        logdir = os.path.join(self.root, "run")
-        self.tasks = [Task(logdir, FLAGS + ["--max_steps=100000"], tf_config(where, i))
-                      for i in (0, 1)]
+        logdir = os.path.join(self.root, mode)
+        self.tasks = [Task(logdir, flags + ["--max_steps=100000"], tf_config(where, i),
+                           model=model) for i in (0, 1)]
         self.tasks[0].wait_for("Saved checkpoint", timeout=240)  # Both tasks are training.
+        time.sleep(3.0)  # The start-up channel closes within a few seconds of the agreement.
         for i, t in enumerate(self.tasks):
             pid = t.proc.pid
             sockets = _socket_inodes(pid)
@@ -138,7 +148,12 @@ class ClusterMachineryTest(tf.test.TestCase):
                 rows = [line.split() for line in list(f4)[1:] + list(f6)[1:]]
             listening = {int(r[1].rpartition(":")[2], 16) for r in rows
                          if r[3] == "0A" and r[9] in sockets}
-            self.assertEqual({port}, listening, f"task {i}: one open port, the gRPC server's")
+            if mode == "multi_client":
+                self.assertEqual({port}, listening, f"task {i}: one port, the gRPC server's")
+            else:  # The one client also serves TensorFlow's 'localhost' job (its own port).
+                self.assertIn(port, listening, f"task {i} serves its gRPC port")
+        for t in self.tasks:
+            t.stop()
 
     def test_the_fault_path_leaves_through_the_normal_exit(self):
         where = addresses(2)

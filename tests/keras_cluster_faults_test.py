@@ -1,7 +1,7 @@
 """A lost task of a Keras TF_CONFIG cluster ends the others in one line (TF's coordination service).
 
-Two pairs of tasks on 127.0.0.1 run `PipelinedModel.fit` (the model of multi_client_test's
-Keras test) at once:
+Pairs of tasks on 127.0.0.1 run `PipelinedModel.fit` (the model of multi_client_test's Keras
+test). First two pairs at once:
 - task 1 of the first pair is killed (kill -9) at step 5 of a long fit: task 0, waiting in a
   collective, ends with exit status 1 within 60 s and exactly one line naming task 1, no
   traceback;
@@ -13,6 +13,7 @@ Processes are stopped by PID.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -128,6 +129,61 @@ class KerasClusterFaultsTest(tf.test.TestCase):
             # Task 0 outlived task 1 by more than HEARTBEAT_TIMEOUT_S and was not stopped.
             self.assertGreater(procs["normal", 0].ended_at - procs["normal", 1].ended_at,
                                process_group.HEARTBEAT_TIMEOUT_S)
+        finally:
+            for p in procs.values():
+                if p.proc.poll() is None:
+                    p.proc.kill()
+                p.proc.wait()
+
+    def test_stopped_or_killed_chief_and_stopped_worker_end_the_other_in_one_line(self):
+        faults = {"stop worker": (1, signal.SIGSTOP), "stop chief": (0, signal.SIGSTOP),
+                  "kill chief": (0, signal.SIGKILL)}
+        where = {name: addresses(2) for name in faults}
+        procs = {(name, i): _Proc(tf_config(where[name], i), 500, 0.0)
+                 for name in faults for i in (1, 0)}
+        try:
+            for name, (victim, sig) in faults.items():
+                procs[name, victim].wait_for(f"task {victim} at step 5", timeout=240)
+                os.kill(procs[name, victim].proc.pid, sig)
+                hit_at = time.monotonic()
+                survivor = procs[name, 1 - victim]
+                self.assertEqual(1, survivor.wait(BOUND_S + 5), survivor.output[-3000:])
+                report_time(f"keras {name}", survivor.ended_at - hit_at)
+                self.assertLess(survivor.ended_at - hit_at, BOUND_S)
+                whom = "the chief, task 0" if victim == 0 else "task 1"
+                lost = [line.strip() for line in survivor.lines if " lost " in line]
+                self.assertLen(lost, 1, survivor.output[-3000:])
+                self.assertRegex(lost[0], rf"^lingvo_lite: error: task {1 - victim} lost "
+                                 rf"{whom} \({where[name][victim]}\) of the cluster: .+; "
+                                 rf"rerun every task\.$")
+                self.assertNotIn("Traceback", survivor.output)
+                if sig == signal.SIGSTOP:
+                    os.kill(procs[name, victim].proc.pid, signal.SIGCONT)
+                procs[name, victim].proc.kill()
+        finally:
+            for p in procs.values():
+                if p.proc.poll() is None:
+                    p.proc.kill()
+                p.proc.wait()
+
+    def test_a_late_task_is_waited_for_and_other_tf_configs_are_refused(self):
+        late, ours, theirs = addresses(2), addresses(2), addresses(1)
+        procs = {("late", 0): _Proc(tf_config(late, 0), 1, 0.0)}
+        try:
+            time.sleep(15.0)  # Task 0 waits in from_tf_config for task 1 to join.
+            procs["late", 1] = _Proc(tf_config(late, 1), 1, 0.0)
+            # Task 1's own address differs from the one task 0 lists for it.
+            procs["other", 0] = _Proc(tf_config(ours, 0), 1, 0.0)
+            procs["other", 1] = _Proc(tf_config([ours[0], theirs[0]], 1), 1, 0.0)
+            started = time.monotonic()
+            for i in (0, 1):
+                self.assertEqual(0, procs["late", i].wait(240), procs["late", i].output)
+                self.assertIn(f"task {i} fit done", procs["late", i].output)
+                other = procs["other", i]
+                self.assertNotEqual(0, other.wait(BOUND_S), other.output[-3000:])
+                self.assertIn("TF_CONFIG differs between the processes", other.output)
+            report_time("keras other TF_CONFIGs", max(
+                procs["other", i].ended_at for i in (0, 1)) - started)
         finally:
             for p in procs.values():
                 if p.proc.poll() is None:

@@ -12,19 +12,23 @@ up and the tasks agreed: a running task has one open port, its gRPC server's. Wi
 filtered, these start-up faults fall back to the registration timeout.
 
 In single-client mode (one client drives every task's devices with remote ops, not
-collectives, and the serving tasks run no eager context of their own) there is no
-coordination service, so the channel stays open: `PeerWatch` declares a task lost when it has
-not answered for LOST_AFTER_S (dead, or stopped: a stopped process's kernel still accepts TCP
-connections) and ends the process with one line (`exit_now`: a thread blocked in a remote op
-cannot be interrupted otherwise). A task that finished normally says so (state 'finished').
-There the trainer.py commands are compared too (`set_mode`); in multi-client mode they are
-compared through the coordination service.
+collectives) TensorFlow offers no liveness: there is no coordination service, its peer health
+check raises InternalError for the client's local collectives, and a step blocked on a stopped
+task is ended neither by `CancellationManager.start_cancel` nor by `abort_collective_ops`
+(bench/single_client_probe.py). There the channel compares the trainer.py commands (`set_mode`;
+multi-client tasks compare them through the coordination service) and is closed once the tasks
+told each other their modes (`close_when_agreed`); then `Watchdog` calls a task lost when its
+TensorFlow server has not answered a gRPC GetStatus call for LOST_AFTER_S (dead, or stopped:
+a stopped process's kernel still accepts TCP connections), over the gRPC port: a running task
+has one open port. The single client then ends its process with one line (`exit_now`: its
+blocked step cannot be interrupted otherwise); a serving task just returns.
 
-Example (two processes, each with its own index; both end with one line if the other stops):
+Example (task 0 of two; it ends with one line if task 1 stops):
 
     config = heartbeats.Members(("127.0.0.1:2222", "127.0.0.1:2223"), task_index=0)
-    channel = heartbeats.open_channel(config, program="train.py")
-    heartbeats.PeerWatch(config, lambda t, address: heartbeats.exit_now(
+    channel = heartbeats.open_channel(config, program="train.py")   # Before TensorFlow.
+    ...  # Start the task's TensorFlow server.
+    heartbeats.Watchdog(config, [1], lambda t, address: heartbeats.exit_now(
         f"train.py: error: lost task {t} ({address})")).start()
 """
 
@@ -41,19 +45,18 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Channel", "Members", "PeerWatch", "channel", "close_channel", "exit_now",
-           "open_channel"]
+__all__ = ["Channel", "Members", "Watchdog", "channel", "close_channel", "close_when_agreed",
+           "exit_now", "open_channel", "server_answers"]
 
-LOST_AFTER_S = 15.0  # A task unreachable this long is lost (the whole run stops within ~20 s).
+LOST_AFTER_S = 10.0  # A task silent this long is lost (as the coordination service's timeout).
 START_TIMEOUT_S = 120.0  # How long a task that never answered is waited for.
 HEARTBEAT_INTERVAL_S = 1.0
 MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
 ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
-FINISHED = "finished"
 SINGLE_CLIENT = "single_client"  # The mode whose commands the channel compares.
 
 
-class Cluster(Protocol):
+class Cluster(Protocol):  # cluster_spec.Cluster, or `Members`.
     addresses: tuple[str, ...]
     task_index: int
 
@@ -79,7 +82,7 @@ class Channel:
     """This task's heartbeats: a UDP socket on its port number, pinging and answering peers.
 
     Messages are JSON: {"kind": ping | pong | abort | ack | duplicate, "index": sender's task
-    index, "addresses": sender's TF_CONFIG list, "pid": ..., "state": ..., "reason": ...}. Each
+    index, "addresses": sender's TF_CONFIG list, "pid", "command", "mode", "reason"}. Each
     task pings every other task every HEARTBEAT_INTERVAL_S and answers every ping with a pong,
     so `last_answer(t)` is when task t last proved that its process runs. A ping or pong whose
     TF_CONFIG differs from this task's, or that claims this task's own index, ends the process
@@ -92,7 +95,7 @@ class Channel:
         self.program = program
         self._sock = sock
         self._answers: dict[int, float] = {}
-        self._states: dict[int, str] = {}
+        self._modes: dict[int, str] = {}
         if command is not None and len(json.dumps(command)) > MAX_COMMAND_BYTES:
             # Long overrides: a digest keeps every heartbeat in one datagram.
             digest = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
@@ -101,8 +104,7 @@ class Channel:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._message = {"index": config.task_index, "addresses": list(config.addresses),
-                         "pid": os.getpid(), "command": command, "state": "running",
-                         "mode": None}
+                         "pid": os.getpid(), "command": command, "mode": None}
         threading.Thread(target=self._receive, name="cluster-heartbeat-rx", daemon=True).start()
         threading.Thread(target=self._ping_loop, name="cluster-heartbeat-tx",
                          daemon=True).start()
@@ -115,11 +117,6 @@ class Channel:
         with self._lock:
             return self._answers.get(task)
 
-    def set_state(self, state: str) -> None:
-        """What this task tells the others in its heartbeats, e.g. 'finished'."""
-        with self._lock:
-            self._message = dict(self._message, state=state)
-
     def set_mode(self, mode: str) -> None:
         """This task's cluster mode, once chosen: commands are compared between tasks whose
         modes differ or are both SINGLE_CLIENT (multi-client tasks compare them through the
@@ -127,15 +124,10 @@ class Channel:
         with self._lock:
             self._message = dict(self._message, mode=mode)
 
-    def ping_now(self) -> None:
-        """Pings every other task at once (e.g. to tell a new state before exiting)."""
-        for t in self.peers():
-            self._send("ping", self.config.addresses[t])
-
-    def peer_state(self, task: int) -> str | None:
-        """The state task last reported ('running', 'finished'), None if never heard."""
+    def peer_mode(self, task: int) -> str | None:
+        """The cluster mode task last reported, None if not yet (`set_mode`)."""
         with self._lock:
-            return self._states.get(task)
+            return self._modes.get(task)
 
     def _send(self, kind: str, address: tuple[str, int] | str, **extra) -> None:
         target = split_address(address) if isinstance(address, str) else address
@@ -200,7 +192,8 @@ class Channel:
                     self._send("pong", sender)  # Lets the sender report the mismatch too.
                 exit_now(command_mismatch_message(self.config, index, ours, theirs))
             with self._lock:
-                self._states[index] = str(message.get("state"))
+                if message.get("mode") is not None:
+                    self._modes[index] = str(message.get("mode"))
             if kind == "ping":
                 self._send("pong", sender)
             elif kind == "pong":
@@ -351,54 +344,73 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-class PeerWatch:
-    """Calls `on_lost(task, address)` when another task has not proved alive for `lost_after_s`.
+def server_answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether the TensorFlow server at `address` answers a gRPC GetStatus call in time.
 
-    Alive: it answered this process's heartbeats (`channel()`), or before its first answer
-    (UDP filtered, or no channel) its TCP port accepts connections. A task is first given
-    `start_timeout_s` to come up; one that reported 'finished' is never lost. `on_lost` runs on
-    the watch's thread and must end the process (a step waiting on the lost task cannot be
-    interrupted otherwise).
+    The RPC TensorFlow's own peer health check sends (`check_collective_ops_peer_health`,
+    unavailable to a single client): a dead task refuses it at once, a stopped one (SIGSTOP,
+    a hung host) lets it time out although its kernel still accepts the TCP connection.
+    """
+    import grpc
+
+    try:
+        with grpc.insecure_channel(address) as rpc_channel:  # GetStatusRequest is empty.
+            rpc_channel.unary_unary("/tensorflow.WorkerService/GetStatus",
+                                    request_serializer=lambda _: b"",
+                                    response_deserializer=lambda data: data)(
+                None, timeout=timeout)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+class Watchdog:
+    """Calls `on_lost(task, address)` when another task's TensorFlow server has not answered
+    (`server_answers`, over its gRPC port) for `lost_after_s`; single-client mode.
+
+    A task is first given `start_timeout_s` to come up. `on_lost` runs on the watchdog's thread;
+    it must end the process (a step waiting on the lost task cannot be interrupted otherwise:
+    bench/single_client_probe.py).
     """
 
-    def __init__(self, config: Cluster, on_lost: Callable[[int, str], None],
+    def __init__(self, config: Cluster, tasks: list[int], on_lost: Callable[[int, str], None],
                  lost_after_s: float = LOST_AFTER_S, start_timeout_s: float = 0.0) -> None:
-        self.config, self._on_lost, self._lost_after_s = config, on_lost, lost_after_s
+        self._config, self._tasks, self._on_lost = config, tasks, on_lost
+        self._lost_after_s, self._start_timeout_s = lost_after_s, start_timeout_s
         self._stop = threading.Event()
-        now = time.monotonic() + start_timeout_s
-        self._seen = {t: now for t in range(len(config.addresses)) if t != config.task_index}
+        self._thread = threading.Thread(target=self._run, name="cluster-watchdog", daemon=True)
 
-    @property
-    def peers(self) -> list[int]:
-        return list(self._seen)
-
-    def start(self) -> PeerWatch:
-        threading.Thread(target=self._run, name="cluster-peer-watch", daemon=True).start()
+    def start(self) -> Watchdog:
+        self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def stale(self, task: int) -> float:
-        """Seconds since `task` last proved alive (heartbeat, else a TCP connection)."""
-        heartbeats = channel()
-        answered = heartbeats.last_answer(task) if heartbeats is not None else None
-        if answered is not None:
-            self._seen[task] = max(self._seen[task], answered)
-        elif reachable(self.config.addresses[task], timeout=0.5):
-            self._seen[task] = time.monotonic()
-        return time.monotonic() - self._seen[task]
-
-    def finished(self, task: int) -> bool:
-        heartbeats = channel()
-        return heartbeats is not None and heartbeats.peer_state(task) == FINISHED
-
     def _run(self) -> None:
+        last_seen = {t: time.monotonic() + self._start_timeout_s for t in self._tasks}
         while not self._stop.wait(1.0):
-            for t in self._seen:
-                if (self.stale(t) > self._lost_after_s and not self.finished(t)
-                        and not self._stop.is_set()):
-                    self._on_lost(t, self.config.addresses[t])
+            for t in self._tasks:
+                address = self._config.addresses[t]
+                if server_answers(address):
+                    last_seen[t] = time.monotonic()
+                elif time.monotonic() - last_seen[t] > self._lost_after_s:
+                    if not self._stop.is_set():
+                        self._on_lost(t, address)
+                    return
+
+
+def close_when_agreed(tasks: list[int], timeout_s: float = 10.0) -> None:
+    """Closes this process's channel once each of `tasks` has told its mode (so the commands
+    were compared; a mismatch has ended the process), or after `timeout_s` (bounded)."""
+    beats = channel()
+    if beats is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(beats.peer_mode(t) is None for t in tasks):
+        time.sleep(0.2)
+    time.sleep(2 * HEARTBEAT_INTERVAL_S)  # Our own mode reaches them too.
+    close_channel()
 
 
 _before_exit: list[Callable[[], None]] = []

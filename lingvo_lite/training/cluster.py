@@ -24,25 +24,20 @@ R=1, K=2 on two tasks puts one cell on each (a model too big for one host's devi
 Faults never hang. Here TensorFlow offers no liveness of its own (no coordination service in
 this mode; `check_collective_ops_peer_health` raises InternalError for the client's local
 collectives; a step blocked on a stopped task is not ended by `CancellationManager.start_cancel`
-nor `abort_collective_ops`: bench/single_client_probe.py). So besides its gRPC server (TCP port
-P of its address) every task answers heartbeats on UDP port P (`Channel`,
-distributed/heartbeats.py, started before TensorFlow is imported): every second it sends each
-other task a ping carrying its TF_CONFIG, and answers theirs. So
-- a task that does not answer for `LOST_AFTER_S` seconds is lost, whether dead or alive but
-  stuck (SIGSTOP, a hung host: its kernel still accepts TCP connections, a TCP probe would
-  call it alive); the run ends with one line naming it (exit status 1), and re-running every
-  process resumes from the chief's last checkpoint;
-- a task whose TF_CONFIG lists other tasks (a mismatched address or task count), or two
-  processes given the same task index, are refused on both sides with one line;
-- a task that cannot start (its port taken, a bad flag) tells the others, which end with one
-  line naming it, instead of waiting for it.
+nor `abort_collective_ops`: bench/single_client_probe.py), so distributed/heartbeats.py does it:
+- before TensorFlow is imported every task answers small UDP messages on its port number
+  (`Channel`): a task whose TF_CONFIG lists other tasks, two processes given the same task
+  index, a task that cannot start (its port taken, a bad flag) or whose flags differ is refused
+  on both sides with one line, in seconds; the channel is closed once the tasks agreed;
+- then the `Watchdog` calls a task lost when its TensorFlow server has not answered a gRPC
+  GetStatus call for `LOST_AFTER_S` seconds (dead, or alive but stuck: SIGSTOP, a hung host,
+  whose kernel still accepts TCP connections); the run ends with one line naming it (exit
+  status 1), and re-running every process resumes from the chief's last checkpoint.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from lingvo_lite.distributed import heartbeats
 
@@ -54,8 +49,10 @@ from lingvo_lite.distributed.heartbeats import (  # noqa: F401 -- this module's 
     LOST_AFTER_S,
     MAX_COMMAND_BYTES,
     Channel,
+    Watchdog,
     before_exit,
     channel,
+    close_when_agreed,
     command_mismatch_message,
     exit_now,
     mismatch_message,
@@ -150,49 +147,3 @@ def start_server(config: Cluster, devices_per_task: int) -> None:
 
 
 _servers: list = []  # Servers live as long as the process.
-
-
-class Watchdog:
-    """Checks every second that the other tasks' servers answer; calls `on_lost` if one does not.
-
-    `on_lost(task_index, address)` runs on the watchdog's thread; it must end the process
-    (a step waiting on a lost task cannot be interrupted otherwise).
-    """
-
-    def __init__(self, config: Cluster, tasks: list[int],
-                 on_lost: Callable[[int, str], None], lost_after_s: float = LOST_AFTER_S,
-                 start_timeout_s: float = 0.0) -> None:
-        self._config = config
-        self._tasks = tasks
-        self._on_lost = on_lost
-        self._lost_after_s = lost_after_s
-        self._start_timeout_s = start_timeout_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cluster-watchdog", daemon=True)
-
-    def start(self) -> Watchdog:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        now = time.monotonic()
-        # A task is first given start_timeout_s to come up, then lost_after_s at every outage.
-        last_seen = {t: now + self._start_timeout_s for t in self._tasks}
-        beats = channel()
-        while not self._stop.wait(1.0):
-            for t in self._tasks:
-                address = self._config.addresses[t]
-                answered = beats.last_answer(t) if beats is not None else None
-                if answered is not None:
-                    # It answers heartbeats: only they count (a stopped process's kernel still
-                    # accepts TCP connections). Seen once: the start-up grace is over.
-                    last_seen[t] = answered
-                elif reachable(address):  # No heartbeat yet (e.g. UDP filtered): TCP.
-                    last_seen[t] = time.monotonic()
-                if time.monotonic() - last_seen[t] > self._lost_after_s:
-                    if not self._stop.is_set():
-                        self._on_lost(t, address)
-                    return

@@ -123,7 +123,10 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
     try:
         process_group.initialize(cluster.addresses, me, num_cpus, options.intra_op_threads,
                                  options.inter_op_threads, watch=False)
-    except (RuntimeError, cluster_spec.ClusterSpecError) as e:
+    except cluster_spec.ClusterSpecError as e:
+        heartbeats.close_channel()  # Every task sees the difference and refuses on its side.
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
         raise UsageError(str(e)) from None
     _agree_on_the_command(cluster)
     heartbeats.close_channel()  # From here TensorFlow's coordination service keeps watch.
@@ -207,6 +210,7 @@ def _agree_on_the_command(cluster: cluster_spec.Cluster) -> None:
     differ = process_group.agree_on("command", json.dumps(ours))
     if differ:
         task, theirs = next(iter(differ.items()))
+        heartbeats.close_channel()  # Every task sees the difference and refuses on its side.
         raise UsageError(cluster_lib.command_mismatch_message(
             cluster, task, ours, json.loads(theirs)).removeprefix("trainer.py: error: "))
 

@@ -319,7 +319,7 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     if cluster is not None:
         cluster_lib.start_server(cluster, num_cpus)
         if not cluster.is_chief:
-            return _serve(cluster, options, config, num_cpus, out)
+            return _serve(cluster, options, config, num_cpus, out, err)
 
     if options.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -422,7 +422,7 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
 
 
 def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_cpus: int,
-           out: TextIO) -> Job:
+           out: TextIO, err: TextIO) -> Job:
     """A non-chief task: serve this task's devices until the chief is gone."""
     from lingvo_lite.training import cluster as cluster_lib
     from lingvo_lite.training import multi_client
@@ -431,22 +431,27 @@ def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_c
     me = cluster.addresses[cluster.task_index]
     max_steps = config.task_params.train.max_steps
 
-    def chief_gone(task: int, address: str) -> None:
-        if _finished(options.abs_logdir, max_steps):
-            cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
-                                 status=0)
-        cluster_lib.exit_now(multi_client.lost_message(cluster, 0, options.abs_logdir))
+    lost: list[int] = []
 
     def job() -> int:
         print(f"Task {cluster.task_index} of {cluster.num_tasks} serving {num_cpus} device(s) at "
               f"{me} for the chief (task 0 at {chief}).", file=out, flush=True)
-        cluster_lib.Watchdog(cluster, [0], chief_gone,
+        cluster_lib.Watchdog(cluster, [0], lambda t, _: lost.append(t),
                              start_timeout_s=cluster_lib.CHIEF_START_TIMEOUT_S).start()
-        while True:  # The watchdog ends the process if the chief is lost mid-run.
+        cluster_lib.close_when_agreed([0])  # The flags were compared: one open port from here.
+        served = False  # Whether the chief's server was up once (then gone means ended).
+        while True:  # Serving is TensorFlow's; this thread waits for the chief's end.
             time.sleep(1.0)
-            if not cluster_lib.reachable(chief) and _finished(options.abs_logdir, max_steps):
-                cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
-                                     status=0)
+            up = cluster_lib.reachable(chief)
+            served = served or up
+            if (served and not up) or lost:
+                if _finished(options.abs_logdir, max_steps):
+                    print(f"Task {cluster.task_index}: the chief finished; exiting.", file=out,
+                          flush=True)
+                    return 0
+                print(multi_client.lost_message(cluster, 0, options.abs_logdir, "it is gone"
+                                                if not up else ""), file=err, flush=True)
+                return 1
 
     return job
 
@@ -471,7 +476,11 @@ def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfi
                     "with its own TF_CONFIG.")
             time.sleep(0.5)
 
+    cluster_lib.close_when_agreed(others)  # The flags were compared: one open port from here.
+
     def task_lost(task: int | None, address: str = "") -> None:
+        # A step blocked on a stopped task is ended by nothing TensorFlow offers a single
+        # client (bench/single_client_probe.py): the process ends here, its lock released.
         cluster_lib.exit_now(multi_client.lost_message(cluster, task, logdir))
 
     watchdog = cluster_lib.Watchdog(cluster, others, task_lost).start()
