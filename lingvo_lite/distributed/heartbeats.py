@@ -3,7 +3,7 @@
 TensorFlow's coordination service (process_group.py) keeps a multi-client cluster alive, but
 it exists only once every task's TensorFlow has started and joined it. Before that, a task
 whose port is taken, two processes given the same task index, or tasks whose TF_CONFIG lists
-differ (another leader) would only meet its registration timeout (START_TIMEOUT_S, 120 s).
+differ (another leader) would only meet its registration timeout (120 s).
 So trainer.py claims its address before TensorFlow loads: every task answers small UDP
 messages on its port number (`Channel`): pings carrying its TF_CONFIG list, and 'abort' from
 a task that cannot start; a mismatch ends both sides in one line within a second. In
@@ -25,7 +25,7 @@ blocked step cannot be interrupted otherwise); a serving task just returns.
 
 Example (task 0 of two; it ends with one line if task 1 stops):
 
-    config = heartbeats.Members(("127.0.0.1:2222", "127.0.0.1:2223"), task_index=0)
+    config = cluster_spec.Cluster(("127.0.0.1:2222", "127.0.0.1:2223"), task_index=0)
     channel = heartbeats.open_channel(config, program="train.py")   # Before TensorFlow.
     ...  # Start the task's TensorFlow server.
     heartbeats.Watchdog(config, [1], lambda t, address: heartbeats.exit_now(
@@ -34,7 +34,6 @@ Example (task 0 of two; it ends with one line if task 1 stops):
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -43,30 +42,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-__all__ = ["Channel", "Members", "Watchdog", "channel", "close_channel", "close_when_agreed",
+from lingvo_lite.distributed.cluster_spec import Cluster
+
+__all__ = ["Channel", "Watchdog", "channel", "close_channel", "close_when_agreed",
            "exit_now", "open_channel", "server_answers"]
 
 LOST_AFTER_S = 10.0  # A task silent this long is lost (as the coordination service's timeout).
-START_TIMEOUT_S = 120.0  # How long a task that never answered is waited for.
 HEARTBEAT_INTERVAL_S = 1.0
 MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
 ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
-SINGLE_CLIENT = "single_client"  # The mode whose commands the channel compares.
-
-
-class Cluster(Protocol):  # cluster_spec.Cluster, or `Members`.
-    addresses: tuple[str, ...]
-    task_index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Members:
-    """The tasks' 'host:port' addresses and this process's index."""
-
-    addresses: tuple[str, ...]
-    task_index: int
 
 
 class AddressInUseError(RuntimeError):
@@ -119,7 +104,7 @@ class Channel:
 
     def set_mode(self, mode: str) -> None:
         """This task's cluster mode, once chosen: commands are compared between tasks whose
-        modes differ or are both SINGLE_CLIENT (multi-client tasks compare them through the
+        modes differ or are both 'single_client' (multi-client tasks compare them through the
         coordination service)."""
         with self._lock:
             self._message = dict(self._message, mode=mode)
