@@ -24,8 +24,8 @@ from lingvo_lite import (
     sharded_optimizer,
     warm_start,
 )
+from lingvo_lite.distributed import process_group
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import process_group
 
 __all__ = ["BaseTask", "scalar_outputs"]
 

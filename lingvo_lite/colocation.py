@@ -1,7 +1,7 @@
 """Where an op goes to sit beside a variable: its device, or under a TPUStrategy its core.
 
 The optimizers, the task's weight updates and the layers' statistic updates need this, and they
-sit below the pipeline package, so it lives here rather than in `pipeline/tpu.py` (which
+sit below the pipeline package, so it lives here rather than in `distributed/tpu.py` (which
 re-exports it).
 
 Example:

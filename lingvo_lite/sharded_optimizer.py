@@ -54,7 +54,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
 from lingvo_lite import optimizers
-from lingvo_lite.pipeline import collectives, process_group
+from lingvo_lite.distributed import cluster_spec, collectives, process_group
 
 __all__ = ["ShardedOptimizer", "check_shardable"]
 
@@ -80,13 +80,13 @@ def check_shardable(optimizer: optimizers.BaseOptimizer, num_replicas: int,
 
 
 def _global_ranks(devices: Sequence[str],
-                  processes: process_group.ProcessGroup | None) -> list[int]:
+                  processes: cluster_spec.Cluster | None) -> list[int]:
     """The collective ranks of this process's `devices` in the group spanning every task,
     each of which holds the same devices under its own '/job:worker/replica:0/task:i'."""
     if processes is None:
         return collectives.collective_ranks(devices)
     names = [tf.DeviceSpec.from_string(d).replace(
-        job=process_group.JOB, replica=0, task=t).to_string()
+        job=cluster_spec.JOB, replica=0, task=t).to_string()
         for t in range(processes.num_processes) for d in devices]
     ranks = collectives.collective_ranks(names)
     start = processes.index * len(devices)

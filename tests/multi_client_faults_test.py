@@ -1,12 +1,13 @@
 """Faults of a multi-client run (issue 37, item 3): two tasks on 127.0.0.1, R=2, K=1.
 
-One logdir goes through two faults, each landed at an exact step by the victim itself
+One logdir goes through four faults, each landed at an exact step by the victim itself
 (`LINGVO_LITE_TEST_SIGNAL_AT=fetched:<step>=SIGKILL|SIGSTOP`, i.e. kill -9 or a stop while
-the other task is mid-step): the worker killed, then the chief stopped. The two take both
-ways a loss is found (a collective that fails at once; the heartbeat watch, for a task that
-stops answering) and both wordings (the chief's, a worker's) of `multi_client.lost_message`.
-(A killed chief is also met in multiprocess_test.py, a stopped worker in
-cluster_faults_test.py, both single-client.) Each time the survivor ends with exit status 1
+the other task is mid-step): the worker killed, the chief stopped, the chief killed, the worker
+stopped. They take both ways a loss is found (a collective that fails at once; TensorFlow's
+coordination service, whose heartbeats a stopped task no longer sends) and both wordings (the
+chief's, a worker's) of `multi_client.lost_message`; a surviving chief removed its lock.
+(Single-client: a killed chief in multiprocess_test.py, a stopped worker in
+cluster_faults_test.py.) Each time the survivor ends with exit status 1
 and exactly one line naming the lost task, within 60 s of the fault, and the next run of both
 resumes from the last checkpoint; the last run ends with the weights of an uninterrupted run,
 bit for bit (--deterministic). The uninterrupted run starts its worker late: the chief waits
@@ -27,6 +28,7 @@ from multi_client_helpers import (
     Task,
     addresses,
     assert_survivor_names_the_loss,
+    report_time,
     run_to_end,
     start_cluster,
     tf_config,
@@ -65,7 +67,8 @@ class MultiClientFaultsTest(tf.test.TestCase):
         run_to_end(self.tasks)
 
         logdir = os.path.join(self.root, "faulty")
-        faults = [(1, "SIGKILL", "lost task 1"), (0, "SIGSTOP", "lost the chief")]
+        faults = [(1, "SIGKILL", "lost task 1"), (0, "SIGSTOP", "lost the chief"),
+                  (0, "SIGKILL", "lost the chief"), (1, "SIGSTOP", "lost task 1")]
         resumed_from = 0
         for run, (victim, sig, wanted) in enumerate(faults):
             step = 10 * run + 15  # Mid-run: after checkpoint 10 * run + 10.
@@ -81,6 +84,9 @@ class MultiClientFaultsTest(tf.test.TestCase):
                 self.assertLess(time.monotonic(), deadline, dead.output[-3000:])
                 time.sleep(0.05)
             assert_survivor_names_the_loss(self, survivor, time.monotonic(), wanted, BOUND_S)
+            if victim == 1:  # The surviving chief released its lock on its way out.
+                self.assertFalse(os.path.exists(os.path.join(logdir, "trainer.lock")),
+                                 "the chief left its lock behind")
             for t in self.tasks:
                 t.stop()
             resumed_from = step - 5
@@ -102,6 +108,7 @@ class MultiClientFaultsTest(tf.test.TestCase):
         started = time.monotonic()
         for t in self.tasks:
             self.assertEqual(1, t.wait(timeout=BOUND_S + 30), msg=t.output[-3000:])
+            report_time("multi-client other flags", time.monotonic() - started)
             self.assertLen(t.errors(), 1, msg=t.output[-3000:])
             self.assertIn("the trainer.py command differs between the processes", t.errors()[0])
             self.assertIn("--max_steps=7", t.errors()[0])

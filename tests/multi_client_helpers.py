@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -97,11 +98,17 @@ def weights(logdir: str) -> dict[str, np.ndarray]:
             if k.startswith("model/")}
 
 
+def report_time(what: str, seconds: float) -> None:
+    """Prints the time a fault took to its one-line report (read with `pytest -s`)."""
+    print(f"\nFAULT-TIME {what}: {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 def assert_survivor_names_the_loss(test, survivor: Task, lost_at: float, message: str,
                                    bound_s: float) -> None:
     """`survivor` exits 1 within `bound_s` of `lost_at` with one error line naming the loss
     (`message`) and telling the user to rerun, and no traceback."""
     status = survivor.wait(timeout=bound_s + 30)
+    report_time(message, time.monotonic() - lost_at)
     test.assertLess(time.monotonic() - lost_at, bound_s)
     test.assertEqual(1, status, msg=survivor.output[-3000:])
     test.assertLen(survivor.errors(), 1, msg=survivor.output[-3000:])

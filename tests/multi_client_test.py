@@ -44,7 +44,7 @@ T = 2
 KERAS_TASK = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
-    from lingvo_lite.pipeline import process_group
+    from lingvo_lite.distributed import process_group
     process_group.from_tf_config(num_logical_cpus=2)  # Before any TensorFlow op.
     import numpy as np
     from lingvo_lite.keras import PipelinedModel

@@ -7,8 +7,9 @@ import tensorflow as tf
 from pipeline_test import make_batch, make_pipeline, mlp_layers
 
 from lingvo_lite import fprop_context
+from lingvo_lite.distributed import placement
 from lingvo_lite.layers import dense
-from lingvo_lite.pipeline import layer_profile, pipelining_layer, placement
+from lingvo_lite.pipeline import layer_profile, pipelining_layer
 
 
 class PlacementTest(tf.test.TestCase):

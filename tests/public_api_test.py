@@ -23,7 +23,8 @@ import lingvo_lite
 import model_params
 import tasks
 
-PACKAGES = ("lingvo_lite", "lingvo_lite.layers", "lingvo_lite.pipeline", "lingvo_lite.analysis",
+PACKAGES = ("lingvo_lite", "lingvo_lite.layers", "lingvo_lite.distributed", "lingvo_lite.pipeline",
+            "lingvo_lite.analysis",
             "lingvo_lite.keras", "lingvo_lite.training")
 
 
@@ -96,8 +97,9 @@ class PublicApiTest(tf.test.TestCase):
     def test_importing_the_packages_loads_no_tensorflow(self):
         # trainer.py checks its flags before TensorFlow loads; the re-exports must not load it.
         code = ("import sys, lingvo_lite, lingvo_lite.layers, lingvo_lite.pipeline, "
-                "lingvo_lite.analysis, "
-                "lingvo_lite.training, lingvo_lite.training.options, lingvo_lite.model_registry\n"
+                "lingvo_lite.analysis, lingvo_lite.distributed, "
+                "lingvo_lite.distributed.cluster_spec, lingvo_lite.training, "
+                "lingvo_lite.training.options, lingvo_lite.model_registry\n"
                 "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
         run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                              text=True, timeout=120, env={"PYTHONPATH": REPO, "PATH": ""})
@@ -110,14 +112,14 @@ if __name__ == "__main__":
 
 
 # The README's layout: each module of the library and the level it belongs to.
-_LEVELS = ("params", "layers", "pipeline", "tasks", "analysis", "trainer")
+_LEVELS = ("params", "layers", "distributed", "pipeline", "tasks", "analysis", "trainer")
 _LEVEL_OF_MODULE = {
     "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
     "progress": "params",
     "base_layer": "layers", "layer_memory": "layers", "weight_params": "layers",
     "fprop_context": "layers",
     "devices": "layers", "colocation": "layers", "layers": "layers",
-    "pipeline": "pipeline", "analysis": "analysis",
+    "distributed": "distributed", "pipeline": "pipeline", "analysis": "analysis",
     "base_task": "tasks", "pipelined_task": "tasks", "base_input_generator": "tasks",
     "optimizers": "tasks", "sharded_optimizer": "tasks", "learning_rate": "tasks",
     "warm_start": "tasks", "inference": "tasks",

@@ -31,7 +31,8 @@ from conftest import stop_processes
 from pipeline_test import WIDTH, _loss, _proj, input_shapes, make_batch
 
 from lingvo_lite import fprop_context
-from lingvo_lite.pipeline import pipelining_layer, placement, tpu
+from lingvo_lite.distributed import placement, tpu
+from lingvo_lite.pipeline import pipelining_layer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL, ATOL = 2e-5, 2e-7

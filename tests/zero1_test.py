@@ -25,8 +25,9 @@ from pipeline_test import BATCH, IN_DIM, _loss, _proj, input_shapes, make_batch
 
 from lingvo_lite import fprop_context, optimizers, pipelined_task, sharded_optimizer
 from lingvo_lite.analysis import memory_model
+from lingvo_lite.distributed import collectives
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import collectives, pipelining_layer
+from lingvo_lite.pipeline import pipelining_layer
 from lingvo_lite.training import options, planner, runner
 
 LEARNING_RATE = 0.05

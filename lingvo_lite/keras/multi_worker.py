@@ -12,7 +12,7 @@ the same `keras.utils.set_random_seed`), as the strategy also requires.
 
 Example (save as train.py; run it once per task with its own TF_CONFIG):
 
-    from lingvo_lite.pipeline import process_group
+    from lingvo_lite.distributed import process_group
     process_group.from_tf_config(num_logical_cpus=2)      # before any TF op
     import keras
     from lingvo_lite.keras import PipelinedModel
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lingvo_lite.distributed import process_group
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import pipelining_layer, process_group
+from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["local_part", "num_micro_batches", "pipelined_grads"]
 

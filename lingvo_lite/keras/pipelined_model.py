@@ -73,10 +73,11 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from lingvo_lite import fprop_context
+from lingvo_lite.distributed import process_group
 from lingvo_lite.keras import front_embeddings, keras_buckets, keras_layer, keras_loss, multi_worker
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets as pipeline_buckets
-from lingvo_lite.pipeline import pipelining_layer, process_group
+from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["pipeline_params", "PipelinedModel"]
 

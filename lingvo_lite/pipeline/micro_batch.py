@@ -6,13 +6,14 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_lite.distributed import replica_means
 from lingvo_lite.nested_map import NestedMap
 
 __all__: list[str] = []
 
-# Scalar outputs that count examples (or real tokens) in a micro-batch: they are
-# summed across micro-batches, and weigh the other scalars' means.
-WEIGHT_KEYS = ("loss_weight", "num_examples")
+# Scalar outputs that count examples (or real tokens): summed across micro-batches, they weigh
+# the other scalars' means (defined with the means over replicas and tasks).
+WEIGHT_KEYS = replica_means.WEIGHT_KEYS
 
 
 def _leaves_with_paths(inputs: Any) -> list[tuple[str, Any]]:

@@ -31,23 +31,25 @@ from typing import Any, ContextManager
 import tensorflow as tf
 
 from lingvo_lite import base_layer, fprop_context, hyperparams
+from lingvo_lite.distributed import (
+    collectives,
+    cross_process,
+    placement,
+    process_group,
+    replica_means,
+    tpu,
+)
 from lingvo_lite.layers import composite
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import (
     buckets,
-    collectives,
-    cross_process,
     executor,
     loop_executor,
     micro_batch,
     partition,
-    placement,
-    process_group,
     remat,
-    replica_means,
     schedule,
     step_layout,
-    tpu,
 )
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
 

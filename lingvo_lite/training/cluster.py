@@ -7,54 +7,52 @@ variable `tf.distribute`'s cluster resolvers read:
                 "task": {"type": "worker", "index": 0}}'
 
 This module is the single-client mode (`--cluster_mode=single_client`, and `auto` when a
-replica's cells must span tasks); the default when every replica fits on one task is
-multi-client (`multi_client.py`: every task a client of its own replicas), which reuses the
-heartbeats below. In single-client mode every task serves its devices with a TensorFlow gRPC
-server, and task 0, the chief, is also the one client: it builds the model, reads the input,
-places replica r's cell k on a device of the cluster (`placement='cluster'`), runs the steps
-(activations cross hosts as TensorFlow's own send/receive, gradients are all-reduced with
-collective ops), and alone writes checkpoints, summaries and params.txt. The other tasks serve
-until the chief is gone.
+replica's cells must span tasks); the default when every replica fits on one task is multi-
+client (`multi_client.py`: every task a client of its own replicas), which uses the start-up
+channel below and then TensorFlow's coordination service. In single-client mode every task
+serves its devices with a TensorFlow gRPC server, and task 0, the chief, is also the one client:
+it builds the model, reads the input, places replica r's cell k on a device of the cluster
+(`placement='cluster'`), runs the steps (activations cross hosts as TensorFlow's own
+send/receive, gradients are all-reduced with collective ops), and alone writes checkpoints,
+summaries and params.txt. The other tasks serve until the chief is gone.
 
 The R x K devices of the mesh are spread evenly, replica-major, over the tasks: with N tasks each
 task offers D = R*K/N devices, and device i is device i % D of task i // D. So R=2, K=2 on two
 tasks puts one whole replica on each host (the common case: data parallelism across hosts), and
 R=1, K=2 on two tasks puts one cell on each (a model too big for one host's devices).
 
-Faults never hang. Besides its gRPC server (TCP port P of its address) every task answers
-heartbeats on UDP port P (`Channel`, pipeline/heartbeats.py, started before TensorFlow is
-imported): every second it sends each other task a ping carrying its TF_CONFIG, and answers
-theirs. So
-- a task that does not answer for `LOST_AFTER_S` seconds is lost, whether dead or alive but
-  stuck (SIGSTOP, a hung host: its kernel still accepts TCP connections, a TCP probe would
-  call it alive); the run ends with one line naming it (exit status 1), and re-running every
-  process resumes from the chief's last checkpoint;
-- a task whose TF_CONFIG lists other tasks (a mismatched address or task count), or two
-  processes given the same task index, are refused on both sides with one line;
-- a task that cannot start (its port taken, a bad flag) tells the others, which end with one
-  line naming it, instead of waiting for it.
+Faults never hang. Here TensorFlow offers no liveness of its own (no coordination service in
+this mode; `check_collective_ops_peer_health` raises InternalError for the client's local
+collectives; a step blocked on a stopped task is not ended by `CancellationManager.start_cancel`
+nor `abort_collective_ops`: bench/single_client_probe.py), so distributed/heartbeats.py does it:
+- before TensorFlow is imported every task answers small UDP messages on its port number
+  (`Channel`): a task whose TF_CONFIG lists other tasks, two processes given the same task
+  index, a task that cannot start (its port taken, a bad flag) or whose flags differ is refused
+  on both sides with one line, in seconds; the channel is closed once the tasks agreed;
+- then the `Watchdog` calls a task lost when its TensorFlow server has not answered a gRPC
+  GetStatus call for `LOST_AFTER_S` seconds (dead, or alive but stuck: SIGSTOP, a hung host,
+  whose kernel still accepts TCP connections); the run ends with one line naming it (exit
+  status 1), and re-running every process resumes from the chief's last checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from lingvo_lite.pipeline import heartbeats
+from lingvo_lite.distributed import heartbeats
 
-# The heartbeats live in pipeline/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
-from lingvo_lite.pipeline.heartbeats import (  # noqa: F401 -- this module's names too.
+# The heartbeats live in distributed/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
+from lingvo_lite.distributed.cluster_spec import JOB, Cluster, ClusterSpecError, parse_tf_config
+from lingvo_lite.distributed.heartbeats import (  # noqa: F401 -- this module's names too.
     ABORT_ACK_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
     LOST_AFTER_S,
     MAX_COMMAND_BYTES,
     Channel,
+    Watchdog,
     before_exit,
     channel,
+    close_when_agreed,
     command_mismatch_message,
     exit_now,
     mismatch_message,
@@ -64,86 +62,30 @@ from lingvo_lite.training.options import UsageError
 
 __all__: list[str] = []
 
-JOB = "worker"
 CHIEF_START_TIMEOUT_S = 120.0  # How long a worker waits for the chief to come up.
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterConfig:
-    """The tasks of the cluster (task 0 is the chief) and this process's index."""
-
-    addresses: tuple[str, ...]
-    task_index: int
-
-    @property
-    def num_tasks(self) -> int:
-        return len(self.addresses)
-
-    @property
-    def is_chief(self) -> bool:
-        return self.task_index == 0
-
-    def devices_per_task(self, num_devices: int) -> int:
-        """D: the mesh's devices each task offers; UsageError when they do not split evenly."""
-        if num_devices % self.num_tasks:
-            raise UsageError(
-                f"TF_CONFIG names {self.num_tasks} tasks but the mesh has {num_devices} devices "
-                "(--num_replicas x --num_cells), which do not split evenly over them; make "
-                f"num_replicas x num_cells a multiple of {self.num_tasks}.")
-        return num_devices // self.num_tasks
-
-    def device(self, index: int, devices_per_task: int, device_type: str = "CPU") -> str:
-        task, local = divmod(index, devices_per_task)
-        return f"/job:{JOB}/replica:0/task:{task}/device:{device_type}:{local}"
-
-
-def from_environment(environ: Mapping[str, str] | None = None) -> ClusterConfig | None:
-    """The cluster of `TF_CONFIG`; None when unset or naming a single task.
+def from_environment(environ: Mapping[str, str] | None = None) -> Cluster | None:
+    """The cluster of `TF_CONFIG` (`cluster_spec.parse_tf_config`); None for one task.
 
     Raises:
       UsageError: TF_CONFIG is malformed, names an address twice, or its task is out of range.
     """
-    environ = os.environ if environ is None else environ
-    text = environ.get("TF_CONFIG", "").strip()
-    if not text:
-        return None
-    example = ('e.g. TF_CONFIG=\'{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}, '
-               '"task": {"type": "worker", "index": 0}}\'')
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"TF_CONFIG is not valid JSON ({e}); {example}.") from None
-    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict):
-        raise UsageError(f"TF_CONFIG has no 'cluster' object; {example}.")
-    cluster, task = config["cluster"], config.get("task", {})
-    jobs = set(cluster) - {"chief", JOB}
-    if jobs:
-        raise UsageError(f"TF_CONFIG: job(s) {sorted(jobs)} are not supported; list every task "
-                         f"under 'worker' (task 0 is the chief), or use 'chief' + 'worker'.")
-    addresses = list(cluster.get("chief", [])) + list(cluster.get(JOB, []))
-    if len(cluster.get("chief", [])) > 1:
-        raise UsageError("TF_CONFIG: the 'chief' job has more than one task; it has exactly one.")
-    if not addresses or not all(isinstance(a, str) and ":" in a for a in addresses):
-        raise UsageError(f"TF_CONFIG: every task needs a 'host:port' address; {example}.")
-    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
-    if repeated:
-        raise UsageError(f"TF_CONFIG names {repeated[0]} more than once; each task needs its own "
-                         "host:port.")
-    if not isinstance(task, dict) or task.get("type") not in ("chief", JOB) \
-            or isinstance(task.get("index"), bool) or not isinstance(task.get("index"), int):
-        raise UsageError(f"TF_CONFIG: 'task' must be {{\"type\": \"worker\", \"index\": i}}; "
-                         f"{example}.")
-    offset = len(cluster.get("chief", [])) if task["type"] == JOB else 0
-    count = len(cluster.get(task["type"], []))
-    if not 0 <= task["index"] < count:
-        raise UsageError(f"TF_CONFIG: task index {task['index']} is out of range for the "
-                         f"{count} '{task['type']}' task(s).")
-    if len(addresses) == 1:
-        return None
-    return ClusterConfig(tuple(addresses), offset + task["index"])
+        return parse_tf_config(environ)
+    except ClusterSpecError as e:
+        raise UsageError(str(e)) from None
 
 
-def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Channel:
+def devices_per_task(config: Cluster, num_devices: int) -> int:
+    """`Cluster.devices_per_task` as a UsageError (a flag to change)."""
+    try:
+        return config.devices_per_task(num_devices)
+    except ClusterSpecError as e:
+        raise UsageError(str(e)) from None
+
+
+def open_channel(config: Cluster, command: list[str] | None = None) -> Channel:
     """Claims this task's address (UDP and TCP port P) and starts its heartbeats.
 
     Called before TensorFlow is imported, so that a taken port or a second process with the
@@ -154,10 +96,20 @@ def open_channel(config: ClusterConfig, command: list[str] | None = None) -> Cha
     Raises:
       UsageError: the port is taken (the message names who holds it, when it is a trainer).
     """
+    global _command
+    _command = command
     try:
         return heartbeats.open_channel(config, command)
     except heartbeats.AddressInUseError as e:
         raise UsageError(str(e)) from None
+
+
+_command: list[str] | None = None
+
+
+def command() -> list[str] | None:
+    """The trainer.py flags (sorted) `open_channel` was given: what every task must share."""
+    return _command
 
 
 def announce_failure(message: str) -> None:
@@ -166,7 +118,7 @@ def announce_failure(message: str) -> None:
         channel().abort(message.removeprefix("trainer.py: error: "))
 
 
-def start_server(config: ClusterConfig, devices_per_task: int) -> None:
+def start_server(config: Cluster, devices_per_task: int) -> None:
     """Serves this task's devices (D logical CPUs) to the chief; the chief also connects.
 
     The chief's client is not one of the tasks: it joins the cluster as TensorFlow's default
@@ -195,49 +147,3 @@ def start_server(config: ClusterConfig, devices_per_task: int) -> None:
 
 
 _servers: list = []  # Servers live as long as the process.
-
-
-class Watchdog:
-    """Checks every second that the other tasks' servers answer; calls `on_lost` if one does not.
-
-    `on_lost(task_index, address)` runs on the watchdog's thread; it must end the process
-    (a step waiting on a lost task cannot be interrupted otherwise).
-    """
-
-    def __init__(self, config: ClusterConfig, tasks: list[int],
-                 on_lost: Callable[[int, str], None], lost_after_s: float = LOST_AFTER_S,
-                 start_timeout_s: float = 0.0) -> None:
-        self._config = config
-        self._tasks = tasks
-        self._on_lost = on_lost
-        self._lost_after_s = lost_after_s
-        self._start_timeout_s = start_timeout_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cluster-watchdog", daemon=True)
-
-    def start(self) -> Watchdog:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        now = time.monotonic()
-        # A task is first given start_timeout_s to come up, then lost_after_s at every outage.
-        last_seen = {t: now + self._start_timeout_s for t in self._tasks}
-        beats = channel()
-        while not self._stop.wait(1.0):
-            for t in self._tasks:
-                address = self._config.addresses[t]
-                answered = beats.last_answer(t) if beats is not None else None
-                if answered is not None:
-                    # It answers heartbeats: only they count (a stopped process's kernel still
-                    # accepts TCP connections). Seen once: the start-up grace is over.
-                    last_seen[t] = answered
-                elif reachable(address):  # No heartbeat yet (e.g. UDP filtered): TCP.
-                    last_seen[t] = time.monotonic()
-                if time.monotonic() - last_seen[t] > self._lost_after_s:
-                    if not self._stop.is_set():
-                        self._on_lost(t, address)
-                    return

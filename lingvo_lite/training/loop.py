@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_lite import base_task, hyperparams
+from lingvo_lite.distributed import cluster_spec
 from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import checkpointer, interrupts, summaries
 from lingvo_lite.training.options import TrainingError
@@ -282,7 +283,7 @@ def _writing(path: str, step: int):
     except OSError as e:
         raise _WriteFailedError(e.filename or path, step, e.strerror or str(e),
                                _reason_code(e)) from e
-    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError):
+    except cluster_spec.peer_errors():
         # Another task of the cluster was lost while a checkpoint read its variables: not a
         # write failure (the caller names the lost task).
         raise
@@ -356,7 +357,7 @@ class Trainer:
         whose input position was saved with another `input.batch_size` is refused (ValueError)
         unless `reset_input_position`, which restores the weights and restarts the input.
 
-        With a `strategy` (a TPUStrategy: see pipeline/tpu.py) the task and its variables are
+        With a `strategy` (a TPUStrategy: see distributed/tpu.py) the task and its variables are
         built in its scope, each batch of the input is split over its replicas, and every
         step runs `TrainStep` in each replica (`strategy.run`). The input position is then
         not checkpointed (a distributed iterator cannot be): a resumed run restarts the input.

@@ -6,9 +6,9 @@ Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tas
 - reads only its shard of the input: part i of every global batch (`BaseInputGenerator.shard`;
   examples, seeds and order as one process would give that part);
 - sums cell k's gradients over all R replicas of all tasks with TensorFlow's collective
-  all-reduce across the cluster (`pipeline/process_group.py`, the mechanism of
+  all-reduce across the cluster (`distributed/process_group.py`, the mechanism of
   MultiWorkerMirroredStrategy), and pools batch-norm moments and scalar outputs over the
-  global batch (`pipeline/cross_process.py`); dropout masks follow each example's place in the
+  global batch (`distributed/cross_process.py`); dropout masks follow each example's place in the
   global batch, so they do not depend on N;
 - restores the chief's latest checkpoint (every task must read the same --logdir: one
   machine, or a shared file system); the tasks check with a collective that they restored the
@@ -16,11 +16,17 @@ Every task runs the same `trainer.py` command with its own TF_CONFIG. With N tas
   evaluations; each task saves its input position at the checkpoint steps
   (`input_positions.py`), so a rerun resumes exactly.
 
-Faults reuse the cluster's UDP heartbeats (`pipeline/heartbeats.py`): a task that stops answering
-for LOST_AFTER_S (dead, or stopped with SIGSTOP) ends every other task with one line; a task
-started late is waited for (with a message, up to CHIEF_START_TIMEOUT_S); a task whose
-TF_CONFIG or trainer.py flags differ is refused in one line. A run ends when every task has
-finished its last step (no task leaves while another still needs its part of a collective).
+Faults are TensorFlow's to find (`distributed/process_group.py`): its coordination service,
+led by the chief, takes every task's heartbeats, and a task silent for HEARTBEAT_TIMEOUT_S
+(dead, or stopped with SIGSTOP) has the others' collectives aborted; a collective with a dead
+task fails at once. The blocked step raises, the job leaves through its normal path (the lock
+released, summaries closed) and `_supervised` prints one line naming the task (exit status 1).
+At start the tasks agree through the service's key-value store on their TF_CONFIG lists,
+their trainer.py flags and the step each restored; a task started late is waited for (with a
+message, up to CHIEF_START_TIMEOUT_S). The start-up channel (`distributed/heartbeats.py`,
+opened by trainer.py before TensorFlow loads) is closed once they agree: a running task has
+one open port, its gRPC server's. A run ends when every task has finished its last step (a
+barrier of the service: no task leaves while another still needs its part of a collective).
 
 `choose_mode` picks multi-client when every replica fits on one task (R a multiple of N),
 else single-client (`cluster.py`: task 0 drives the whole mesh, for a pipeline whose cells
@@ -35,11 +41,12 @@ Example (README, "Running on several devices and hosts"): three tasks on one mac
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from lingvo_lite.pipeline import heartbeats
+from lingvo_lite.distributed import cluster_spec, heartbeats
 from lingvo_lite.training import cluster as cluster_lib
 from lingvo_lite.training import model_config
 from lingvo_lite.training.options import UsageError
@@ -55,7 +62,7 @@ FINAL_WAIT_S = 30.0  # How long a finished task waits for the others to finish.
 Job = Callable[[], int]
 
 
-def choose_mode(options: RunOptions, config: cluster_lib.ClusterConfig,
+def choose_mode(options: RunOptions, config: cluster_spec.Cluster,
                 task_params: Any) -> str:
     """MULTI_CLIENT or SINGLE_CLIENT for this cluster (see the module docstring).
 
@@ -84,7 +91,7 @@ def choose_mode(options: RunOptions, config: cluster_lib.ClusterConfig,
 
 
 def prepare(options: RunOptions, config: model_config.ModelConfig,
-            cluster: cluster_lib.ClusterConfig, eval_splits: dict, out: TextIO, err: TextIO,
+            cluster: cluster_spec.Cluster, eval_splits: dict, out: TextIO, err: TextIO,
             locked: Callable[..., Job]) -> Job:
     """Setup of a multi-client task: devices, collectives, the model, restore; the job.
 
@@ -107,10 +114,22 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
             pp.placement = "auto"  # This task's own devices.
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(task_params)
 
-    from lingvo_lite.pipeline import process_group
+    from lingvo_lite.distributed import process_group
 
-    process_group.initialize(cluster.addresses, me, num_cpus, options.intra_op_threads,
-                             options.inter_op_threads)
+    channel = cluster_lib.channel()
+    if channel is not None:
+        channel.set_mode(MULTI_CLIENT)
+    _tell_if_waiting(cluster, out)
+    try:
+        process_group.initialize(cluster.addresses, me, num_cpus, options.intra_op_threads,
+                                 options.inter_op_threads, watch=False)
+    except cluster_spec.ClusterSpecError as e:
+        heartbeats.close_channel()  # Every task sees the difference and refuses on its side.
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    _agree_on_the_command(cluster)
+    heartbeats.close_channel()  # From here TensorFlow's coordination service keeps watch.
     from lingvo_lite import devices
 
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
@@ -125,8 +144,6 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
     print(f"Model {config.name}, mode {options.mode}, multi-client task {me} of {n}: "
           f"{local} of the {replicas} replica(s) on {num_cpus} logical CPU device(s) of this "
           f"task, input shard {me} of {n}.\nLogdir: {logdir}", file=out, flush=True)
-    _wait_for_peers(cluster, out)
-    watch = _Watch(cluster, logdir).start()
 
     def build() -> Job:
         from lingvo_lite.training import loop, multi_client_trainer
@@ -134,17 +151,18 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
         eval_spec = None
         if cluster.is_chief and eval_splits:
             eval_spec = loop.EvalSpec(eval_splits, task_params.eval.max_eval_batches)
-        return multi_client_trainer.build(
-            task_params=task_params, cluster=cluster, logdir=logdir, params_text=params_text,
-            analysis_text=analysis_text, eval_spec=eval_spec, out=out, err=err,
-            reset_input_position=options.reset_input_position).run
+        try:
+            return multi_client_trainer.build(
+                task_params=task_params, cluster=cluster, logdir=logdir,
+                params_text=params_text, analysis_text=analysis_text, eval_spec=eval_spec,
+                out=out, err=err, reset_input_position=options.reset_input_position).run
+        except cluster_spec.peer_errors() as e:  # Lost while restoring: the same one line.
+            task, why = process_group.lost_task(e, cluster)
+            raise UsageError(lost_message(cluster, task, logdir, why).removeprefix(
+                "trainer.py: error: ")) from None
 
-    if cluster.is_chief:
-        job = locked(logdir, err, build,
-                     on_acquired=lambda lock: cluster_lib.before_exit(lock.release))
-    else:
-        job = build()
-    return lambda: _supervised(job, cluster, watch, out, err)
+    job = locked(logdir, err, build) if cluster.is_chief else build()
+    return lambda: _supervised(job, cluster, logdir, out, err)
 
 
 def _check_options(options: RunOptions, task_params: Any, n: int) -> None:
@@ -163,92 +181,75 @@ def _check_options(options: RunOptions, task_params: Any, n: int) -> None:
             f"multiple of {n} (--input_params_override='batch_size : <int>').")
 
 
-def _wait_for_peers(cluster: cluster_lib.ClusterConfig, out: TextIO) -> None:
-    """Waits (bounded) until every other task answers heartbeats and serves collectives."""
+def _tell_if_waiting(cluster: cluster_spec.Cluster, out: TextIO) -> None:
+    """Says which tasks have not started yet (none of them answered the start-up channel
+    within a few seconds); `process_group.initialize` then waits for them (bounded)."""
     channel = cluster_lib.channel()
-    peers = [t for t in range(cluster.num_tasks) if t != cluster.task_index]
-    deadline = time.monotonic() + cluster_lib.CHIEF_START_TIMEOUT_S
-    told = False
+    if channel is None:
+        return
+    deadline = time.monotonic() + 3.0
     while True:
-        missing = [t for t in peers
-                   if (channel is not None and channel.last_answer(t) is None)
-                   or not cluster_lib.reachable(cluster.addresses[t], timeout=0.5)]
+        missing = [t for t in cluster.peers if channel.last_answer(t) is None]
         if not missing:
             return
         if time.monotonic() > deadline:
-            named = ", ".join(f"{t} ({cluster.addresses[t]})" for t in missing)
-            raise UsageError(
-                f"TF_CONFIG task(s) {named} did not start within "
-                f"{cluster_lib.CHIEF_START_TIMEOUT_S:.0f} s; start trainer.py with the same "
-                "command on every task, each with its own TF_CONFIG.")
-        if not told:
             print(f"Task {cluster.task_index}: waiting for task(s) {missing} to start (up to "
                   f"{cluster_lib.CHIEF_START_TIMEOUT_S:.0f} s)...", file=out, flush=True)
-            told = True
-        time.sleep(0.5)
+            return
+        time.sleep(0.2)
 
 
-def lost_message(cluster: cluster_lib.ClusterConfig, task: int, logdir: str) -> str:
+def _agree_on_the_command(cluster: cluster_spec.Cluster) -> None:
+    """Every task runs the same trainer.py flags: compared through the coordination service's
+    key-value store (each task refuses on its side, in one line)."""
+    from lingvo_lite.distributed import process_group
+
+    ours = cluster_lib.command()
+    if ours is None:
+        return
+    differ = process_group.agree_on("command", json.dumps(ours))
+    if differ:
+        task, theirs = next(iter(differ.items()))
+        heartbeats.close_channel()  # Every task sees the difference and refuses on its side.
+        raise UsageError(cluster_lib.command_mismatch_message(
+            cluster, task, ours, json.loads(theirs)).removeprefix("trainer.py: error: "))
+
+
+def lost_message(cluster: cluster_spec.Cluster, task: int | None, logdir: str,
+                 reason: str = "") -> str:
+    """The one line of a lost task (`cluster_spec.lost_task_message`), with the checkpoint."""
     from lingvo_lite.training import checkpointer
 
-    address = cluster.addresses[task] if 0 <= task < cluster.num_tasks else "unknown address"
-    if cluster.is_chief:
-        latest = checkpointer.latest_checkpoint(logdir)
-        kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
-        return (f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
-                f"answering; {kept}. Rerun every process with the same command to resume.")
-    whom = "the chief (task 0" if task == 0 else f"task {task} ("
-    return (f"trainer.py: error: task {cluster.task_index} lost {whom} at {address}): it "
-            f"stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before training ended. "
-            "Rerun every process with the same command to resume from the last checkpoint.")
+    latest = checkpointer.latest_checkpoint(logdir)
+    kept = (f"the last checkpoint {latest} is intact" if latest
+            else "no checkpoint was written")
+    reason = reason or (f"it stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before "
+                        "training ended")
+    return cluster_spec.lost_task_message(
+        cluster, task, reason, f"{kept}. Rerun every process with the same command to resume.")
 
 
-class _Watch(heartbeats.PeerWatch):
-    """Ends this task with one line when another stops answering for LOST_AFTER_S."""
-
-    def __init__(self, cluster: cluster_lib.ClusterConfig, logdir: str) -> None:
-        super().__init__(cluster, self._lost)
-        self.cluster, self.logdir = cluster, logdir
-
-    def _lost(self, task: int, address: str) -> None:
-        cluster_lib.exit_now(lost_message(self.cluster, task, self.logdir))
-
-
-def _supervised(job: Job, cluster: cluster_lib.ClusterConfig, watch: _Watch, out: TextIO,
+def _supervised(job: Job, cluster: cluster_spec.Cluster, logdir: str, out: TextIO,
                 err: TextIO) -> int:
-    """Runs the task's job; a collective that failed names the lost task; then waits for
-    every task to finish and ends the process (gRPC servers keep the interpreter alive)."""
-    import tensorflow as tf
+    """Runs the task's job. A step that a lost task failed (a collective with a dead task, or
+    one the coordination service aborted) is reported in one line naming the task: the job
+    has left through its normal path (the lock released, the summaries closed). A finished
+    task waits (bounded) at a barrier for the others to finish their last step."""
+    from lingvo_lite.distributed import process_group
 
     try:
         status = job()
-    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
-            tf.errors.DeadlineExceededError, tf.errors.InternalError):
-        # A task that died fails the collectives at once: name it (bounded) like the watch.
-        deadline = time.monotonic() + cluster_lib.LOST_AFTER_S + 5.0
-        while time.monotonic() < deadline:
-            for t in watch.peers:
-                if not cluster_lib.reachable(cluster.addresses[t], timeout=0.5):
-                    cluster_lib.exit_now(lost_message(cluster, t, watch.logdir))
-            time.sleep(1.0)  # Stopped, not dead: the watch ends the process.
-        cluster_lib.exit_now(lost_message(cluster, -1, watch.logdir))
-    watch.stop()
+    except cluster_spec.peer_errors() as e:
+        task, why = process_group.lost_task(e, cluster)
+        print(lost_message(cluster, task, logdir, why), file=err, flush=True)
+        return 1
     out.flush()
     err.flush()
-    channel = cluster_lib.channel()
-    if status == 0 and channel is not None:
-        channel.set_state("finished")
-        channel.ping_now()
-        deadline = time.monotonic() + FINAL_WAIT_S
-        while time.monotonic() < deadline and not all(
-                channel.peer_state(t) == "finished" or watch.stale(t) > 3.0
-                for t in watch.peers):
-            time.sleep(0.2)
-        channel.ping_now()  # The last to finish tells the others before leaving.
-        time.sleep(0.2)
+    if status == 0:
+        process_group.wait_for_all("finished", FINAL_WAIT_S)
     if cluster.is_chief:
-        cluster_lib.exit_now(f"Chief: done (exit status {status}).", status=status)
-    chief = "finished" if channel is None or channel.peer_state(0) == "finished" else "is gone"
-    cluster_lib.exit_now(f"Task {cluster.task_index}: done (exit status {status}); the chief "
-                         f"{chief}; exiting.", status=status)
+        print(f"Chief: done (exit status {status}).", file=err, flush=True)
+    else:
+        print(f"Task {cluster.task_index}: done (exit status {status}); exiting.", file=err,
+              flush=True)
     return status

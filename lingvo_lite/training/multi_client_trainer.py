@@ -22,8 +22,9 @@ from typing import Any, TextIO
 import tensorflow as tf
 
 from lingvo_lite import hyperparams
+from lingvo_lite.distributed import cluster_spec
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.training import checkpointer, cluster, loop, summaries
+from lingvo_lite.training import checkpointer, loop, summaries
 from lingvo_lite.training.input_positions import InputPositions
 from lingvo_lite.training.options import UsageError
 
@@ -45,7 +46,7 @@ class _NoSummaries(summaries.SummaryWriters):
 class MultiClientTrainer(loop.Trainer):
     """`loop.Trainer` for one task of a multi-client run (see the module docstring)."""
 
-    config: cluster.ClusterConfig
+    config: cluster_spec.Cluster
     positions: InputPositions
     examples_read = 0
 
@@ -86,7 +87,7 @@ class MultiClientTrainer(loop.Trainer):
         return status
 
 
-def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster.ClusterConfig,
+def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster_spec.Cluster,
           logdir: str, params_text: str, analysis_text: str,
           eval_spec: loop.EvalSpec | None, out: TextIO, err: TextIO | None = None,
           reset_input_position: bool = False) -> MultiClientTrainer:
@@ -169,18 +170,15 @@ def _check_every_weight_is_pipelined(task: Any) -> None:
             "--cluster_mode=single_client.")
 
 
-def _check_same_step(config: cluster.ClusterConfig, step: int) -> None:
-    """Every task restored the same global step (else they read different logdirs)."""
-    from lingvo_lite.pipeline import collectives
+def _check_same_step(config: cluster_spec.Cluster, step: int) -> None:
+    """Every task restored the same global step (else they read different logdirs): agreed
+    through the coordination service's key-value store."""
+    from lingvo_lite.distributed import process_group
 
-    device = tf.config.list_logical_devices("CPU")[0].name
-    reduce = collectives.AllReduce([device], group_size=config.num_tasks)
-    value = tf.constant([float(step), float(step) ** 2], tf.float64)
-    with tf.device(device):
-        total, squares = reduce([[value]])[0][0].numpy()
-    n = config.num_tasks
-    if total * total != n * squares:  # Equal only when every task's step is the same.
+    differ = process_group.agree_on("restored_step", str(step))
+    if differ:
+        task, theirs = next(iter(differ.items()))
         raise UsageError(
             f"the tasks restored different checkpoints (task {config.task_index}: global step "
-            f"{step}; mean over the tasks {total / n:g}): every task must read the chief's "
+            f"{step}; task {task}: global step {theirs}): every task must read the chief's "
             "checkpoints, i.e. the same --logdir on one machine or a shared file system.")

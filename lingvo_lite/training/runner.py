@@ -303,9 +303,11 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
                 multi_client.MULTI_CLIENT:  # Every task a client of its own replicas.
             return multi_client.prepare(options, config, cluster, eval_splits, out, err,
                                         locked=_locked)
+        if cluster_lib.channel() is not None:  # Single-client: the channel compares flags.
+            cluster_lib.channel().set_mode(multi_client.SINGLE_CLIENT)
         # The mesh's R x K devices are spread evenly over the tasks; each serves its share.
-        num_cpus = cluster.devices_per_task(
-            model_config.auto_num_logical_cpus(config.task_params))
+        num_cpus = cluster_lib.devices_per_task(
+            cluster, model_config.auto_num_logical_cpus(config.task_params))
         model_config.set_pipeline_fields(config.task_params, placement="cluster")
 
     from lingvo_lite import devices  # TensorFlow is imported (no op has run yet).
@@ -317,7 +319,7 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
     if cluster is not None:
         cluster_lib.start_server(cluster, num_cpus)
         if not cluster.is_chief:
-            return _serve(cluster, options, config, num_cpus, out)
+            return _serve(cluster, options, config, num_cpus, out, err)
 
     if options.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -403,7 +405,7 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
                                    options.inter_op_threads)
     import tensorflow as tf
 
-    from lingvo_lite.pipeline import tpu
+    from lingvo_lite.distributed import tpu
 
     num_replicas, num_cells, source = tpu_run
     try:
@@ -425,33 +427,36 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
 
 
 def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_cpus: int,
-           out: TextIO) -> Job:
+           out: TextIO, err: TextIO) -> Job:
     """A non-chief task: serve this task's devices until the chief is gone."""
     from lingvo_lite.training import cluster as cluster_lib
+    from lingvo_lite.training import multi_client
 
     chief = cluster.addresses[0]
     me = cluster.addresses[cluster.task_index]
     max_steps = config.task_params.train.max_steps
 
-    def chief_gone(task: int, address: str) -> None:
-        if _finished(options.abs_logdir, max_steps):
-            cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
-                                 status=0)
-        cluster_lib.exit_now(
-            f"trainer.py: error: task {cluster.task_index} lost the chief (task 0 at {address}): "
-            f"it stopped answering for {cluster_lib.LOST_AFTER_S:.0f} s before training ended. "
-            "Rerun every process with the same command to resume from the last checkpoint.")
+    lost: list[int] = []
 
     def job() -> int:
         print(f"Task {cluster.task_index} of {cluster.num_tasks} serving {num_cpus} device(s) at "
               f"{me} for the chief (task 0 at {chief}).", file=out, flush=True)
-        cluster_lib.Watchdog(cluster, [0], chief_gone,
+        cluster_lib.Watchdog(cluster, [0], lambda t, _: lost.append(t),
                              start_timeout_s=cluster_lib.CHIEF_START_TIMEOUT_S).start()
-        while True:  # The watchdog ends the process if the chief is lost mid-run.
+        cluster_lib.close_when_agreed([0])  # The flags were compared: one open port from here.
+        served = False  # Whether the chief's server was up once (then gone means ended).
+        while True:  # Serving is TensorFlow's; this thread waits for the chief's end.
             time.sleep(1.0)
-            if not cluster_lib.reachable(chief) and _finished(options.abs_logdir, max_steps):
-                cluster_lib.exit_now(f"Task {cluster.task_index}: the chief finished; exiting.",
-                                     status=0)
+            up = cluster_lib.reachable(chief)
+            served = served or up
+            if (served and not up) or lost:
+                if _finished(options.abs_logdir, max_steps):
+                    print(f"Task {cluster.task_index}: the chief finished; exiting.", file=out,
+                          flush=True)
+                    return 0
+                print(multi_client.lost_message(cluster, 0, options.abs_logdir, "it is gone"
+                                                if not up else ""), file=err, flush=True)
+                return 1
 
     return job
 
@@ -459,8 +464,9 @@ def _serve(cluster, options: RunOptions, config: model_config.ModelConfig, num_c
 def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfig, logdir: str,
                    eval_splits: dict, out: TextIO, err: TextIO) -> Job:
     """The chief (task 0): wait for the other tasks, then train as the cluster's one client."""
-    from lingvo_lite.training import checkpointer
+    from lingvo_lite.distributed import cluster_spec
     from lingvo_lite.training import cluster as cluster_lib
+    from lingvo_lite.training import multi_client
 
     others = list(range(1, cluster.num_tasks))
     deadline = time.monotonic() + cluster_lib.CHIEF_START_TIMEOUT_S
@@ -475,31 +481,27 @@ def _prepare_chief(cluster, options: RunOptions, config: model_config.ModelConfi
                     "with its own TF_CONFIG.")
             time.sleep(0.5)
 
-    def task_lost(task: int, address: str) -> None:
-        latest = checkpointer.latest_checkpoint(logdir)
-        kept = f"the last checkpoint {latest} is intact" if latest else "no checkpoint was written"
-        cluster_lib.exit_now(
-            f"trainer.py: error: lost task {task} ({address}) of the cluster: it stopped "
-            f"answering; {kept}. Rerun every process with the same command to resume.")
+    cluster_lib.close_when_agreed(others)  # The flags were compared: one open port from here.
+
+    def task_lost(task: int | None, address: str = "") -> None:
+        # A step blocked on a stopped task is ended by nothing TensorFlow offers a single
+        # client (bench/single_client_probe.py): the process ends here, its lock released.
+        cluster_lib.exit_now(multi_client.lost_message(cluster, task, logdir))
 
     watchdog = cluster_lib.Watchdog(cluster, others, task_lost).start()
     job = _prepare_train(options, config, logdir, eval_splits, out, err)
 
     def chief_job() -> int:
-        import tensorflow as tf
-
         try:
             status = job()
-        except (tf.errors.UnavailableError, tf.errors.AbortedError,
-                tf.errors.DeadlineExceededError) as e:
+        except cluster_spec.peer_errors() as e:
             # A step that reached a dead task fails at once; name the task like the watchdog.
             match = re.search(r"/job:\w+/replica:\d+/task:(\d+)", str(e))
             task = int(match.group(1)) if match else None
             if task is None:  # E.g. "Connection reset by peer": the task that stopped answering.
                 task = next((t for t in others
                              if not cluster_lib.reachable(cluster.addresses[t])), None)
-            task_lost(task if task is not None else -1,
-                      cluster.addresses[task] if task is not None else "unknown address")
+            task_lost(task)
         finally:
             watchdog.stop()
         return status

@@ -27,9 +27,10 @@ from typing import Any
 import tensorflow as tf
 
 from lingvo_lite import fprop_context
+from lingvo_lite.distributed import collectives
+from lingvo_lite.distributed.replica_means import WEIGHT_KEYS
 from lingvo_lite.layers.normalization import pool_moments
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import collectives, micro_batch
 
 __all__ = ["global_scalars", "pool_moments_globally"]
 
@@ -119,12 +120,12 @@ def global_scalars(side: collectives.AllReduce, out: Any, weight: tf.Tensor) -> 
     (device,) = side.devices
     with tf.device(device):
         weight = tf.cast(weight, tf.float32)
-        values = [tf.cast(items[i][1], tf.float32) if items[i][0] in micro_batch.WEIGHT_KEYS
+        values = [tf.cast(items[i][1], tf.float32) if items[i][0] in WEIGHT_KEYS
                   else tf.cast(items[i][1], tf.float32) * weight for i in idx]
         *summed, total = side([values + [weight]])[0]
         total = tf.maximum(total, 1e-8)
         leaves = [v for _, v in items]
         for i, s in zip(idx, summed):
-            value = s if items[i][0] in micro_batch.WEIGHT_KEYS else s / total
+            value = s if items[i][0] in WEIGHT_KEYS else s / total
             leaves[i] = tf.cast(value, items[i][1].dtype)
     return out.Pack(leaves)

@@ -14,7 +14,7 @@ R = 2 replicas of K = 4 cells:
 
 >>> import numpy as np
 >>> import tensorflow as tf
->>> from lingvo_lite.pipeline import placement, tpu
+>>> from lingvo_lite.distributed import placement, tpu
 >>> coordinates = np.array([[[x, y, 0, core] for y in range(2) for x in range(2)
 ...                          for core in range(2)]], dtype=np.int32)
 >>> topology = tf.tpu.experimental.Topology(

@@ -73,7 +73,7 @@ def choose_path(placement: str | Sequence[str], num_replicas: int, num_cells: in
             f"placement='tpu': the pipeline needs num_replicas x num_cells = "
             f"{num_replicas * num_cells} TPU cores but {device_counts.get('TPU', 0)} are "
             "visible and no TPUStrategy is active. Build the model under the scope of "
-            "lingvo_lite.pipeline.tpu.create_tpu_strategy(num_replicas, num_cells, tpu=<name>) "
+            "lingvo_lite.distributed.tpu.create_tpu_strategy(num_replicas, num_cells, tpu=<name>) "
             "(trainer.py --tpu=<name>), or use placement 'cpu' or 'gpu'.")
     return DEVICES_PATH
 

@@ -19,10 +19,14 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from lingvo_lite.distributed import collectives
 from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import collectives, micro_batch
 
-__all__ = ["weighted_mean_grads", "weighted_mean_scalars"]
+__all__ = ["WEIGHT_KEYS", "weighted_mean_grads", "weighted_mean_scalars"]
+
+# Scalar outputs that count examples (or real tokens) in a micro-batch: they are summed across
+# micro-batches, replicas and tasks, and weigh the other scalars' means.
+WEIGHT_KEYS = ("loss_weight", "num_examples")
 
 
 def weighted_mean_grads(grads: list[NestedMap], weights: list[tf.Tensor],
@@ -58,17 +62,17 @@ def weighted_mean_grads(grads: list[NestedMap], weights: list[tf.Tensor],
 def weighted_mean_scalars(context: tf.distribute.ReplicaContext, out: NestedMap,
                           weight: tf.Tensor) -> NestedMap:
     """Scalar float outputs as their weighted mean over a strategy's replicas; the loss
-    weights themselves (micro_batch.WEIGHT_KEYS) summed."""
+    weights themselves (WEIGHT_KEYS) summed."""
     items = out.FlattenItems()
     idx = [i for i, (_, v) in enumerate(items)
            if v is not None and v.shape.rank == 0 and v.dtype.is_floating]
     if not idx:
         return out
-    values = [items[i][1] if items[i][0] in micro_batch.WEIGHT_KEYS
+    values = [items[i][1] if items[i][0] in WEIGHT_KEYS
               else items[i][1] * tf.cast(weight, items[i][1].dtype) for i in idx]
     *summed, total = context.all_reduce(tf.distribute.ReduceOp.SUM, values + [weight])
     total = tf.maximum(total, 1e-8)
     leaves = [v for _, v in items]
     for i, v in zip(idx, summed):
-        leaves[i] = v if items[i][0] in micro_batch.WEIGHT_KEYS else v / tf.cast(total, v.dtype)
+        leaves[i] = v if items[i][0] in WEIGHT_KEYS else v / tf.cast(total, v.dtype)
     return out.Pack(leaves)

@@ -1,28 +1,39 @@
-"""Heartbeats between the tasks of a TF_CONFIG cluster: a lost task ends the others in one line.
+"""What TensorFlow does not do for a cluster: start-up faults, and single-client liveness.
 
-A collective waiting on a task that died or was stopped (SIGSTOP, a hung host) waits forever.
-So every task answers heartbeats on UDP port P of its address (beside the TCP port P of its
-gRPC server): every HEARTBEAT_INTERVAL_S it pings each other task and answers their pings
-(`Channel`). `PeerWatch` declares a task lost when it has not answered for LOST_AFTER_S and
-then ends this process with one line (`exit_now`: a thread blocked in TensorFlow cannot be
-interrupted otherwise). A task that finished normally says so in its heartbeats (state
-'finished'), so the others do not count its silence as a loss. A ping from a process with a
-different cluster list, or claiming this task's own index, is refused on both sides.
+TensorFlow's coordination service (process_group.py) keeps a multi-client cluster alive, but
+it exists only once every task's TensorFlow has started and joined it. Before that, a task
+whose port is taken, two processes given the same task index, or tasks whose TF_CONFIG lists
+differ (another leader) would only meet its registration timeout (120 s).
+So trainer.py claims its address before TensorFlow loads: every task answers small UDP
+messages on its port number (`Channel`): pings carrying its TF_CONFIG list, and 'abort' from
+a task that cannot start; a mismatch ends both sides in one line within a second. In
+multi-client mode the channel is closed (`close_channel`) once the coordination service is
+up and the tasks agreed: a running task has one open port, its gRPC server's. With UDP
+filtered, these start-up faults fall back to the registration timeout.
 
-trainer.py (training/cluster.py, training/multi_client.py) and Keras in a TF_CONFIG cluster
-(process_group.initialize) share this module.
+In single-client mode (one client drives every task's devices with remote ops, not
+collectives) TensorFlow offers no liveness: there is no coordination service, its peer health
+check raises InternalError for the client's local collectives, and a step blocked on a stopped
+task is ended neither by `CancellationManager.start_cancel` nor by `abort_collective_ops`
+(bench/single_client_probe.py). There the channel compares the trainer.py commands (`set_mode`;
+multi-client tasks compare them through the coordination service) and is closed once the tasks
+told each other their modes (`close_when_agreed`); then `Watchdog` calls a task lost when its
+TensorFlow server has not answered a gRPC GetStatus call for LOST_AFTER_S (dead, or stopped:
+a stopped process's kernel still accepts TCP connections), over the gRPC port: a running task
+has one open port. The single client then ends its process with one line (`exit_now`: its
+blocked step cannot be interrupted otherwise); a serving task just returns.
 
-Example (two processes, each with its own index; both end with one line if the other stops):
+Example (task 0 of two; it ends with one line if task 1 stops):
 
-    config = heartbeats.Members(("127.0.0.1:2222", "127.0.0.1:2223"), task_index=0)
-    channel = heartbeats.open_channel(config, program="train.py")
-    heartbeats.PeerWatch(config, lambda t, address: heartbeats.exit_now(
+    config = cluster_spec.Cluster(("127.0.0.1:2222", "127.0.0.1:2223"), task_index=0)
+    channel = heartbeats.open_channel(config, program="train.py")   # Before TensorFlow.
+    ...  # Start the task's TensorFlow server.
+    heartbeats.Watchdog(config, [1], lambda t, address: heartbeats.exit_now(
         f"train.py: error: lost task {t} ({address})")).start()
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -31,29 +42,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-__all__ = ["Channel", "Members", "PeerWatch", "channel", "exit_now", "open_channel"]
+from lingvo_lite.distributed.cluster_spec import Cluster
 
-LOST_AFTER_S = 15.0  # A task unreachable this long is lost (the whole run stops within ~20 s).
-START_TIMEOUT_S = 120.0  # How long a task that never answered is waited for.
+__all__ = ["Channel", "Watchdog", "channel", "close_channel", "close_when_agreed",
+           "exit_now", "open_channel", "server_answers"]
+
+LOST_AFTER_S = 10.0  # A task silent this long is lost (as the coordination service's timeout).
 HEARTBEAT_INTERVAL_S = 1.0
 MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
 ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
-FINISHED = "finished"
-
-
-class Cluster(Protocol):
-    addresses: tuple[str, ...]
-    task_index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Members:
-    """The tasks' 'host:port' addresses and this process's index."""
-
-    addresses: tuple[str, ...]
-    task_index: int
 
 
 class AddressInUseError(RuntimeError):
@@ -69,7 +67,7 @@ class Channel:
     """This task's heartbeats: a UDP socket on its port number, pinging and answering peers.
 
     Messages are JSON: {"kind": ping | pong | abort | ack | duplicate, "index": sender's task
-    index, "addresses": sender's TF_CONFIG list, "pid": ..., "state": ..., "reason": ...}. Each
+    index, "addresses": sender's TF_CONFIG list, "pid", "command", "mode", "reason"}. Each
     task pings every other task every HEARTBEAT_INTERVAL_S and answers every ping with a pong,
     so `last_answer(t)` is when task t last proved that its process runs. A ping or pong whose
     TF_CONFIG differs from this task's, or that claims this task's own index, ends the process
@@ -82,7 +80,7 @@ class Channel:
         self.program = program
         self._sock = sock
         self._answers: dict[int, float] = {}
-        self._states: dict[int, str] = {}
+        self._modes: dict[int, str] = {}
         if command is not None and len(json.dumps(command)) > MAX_COMMAND_BYTES:
             # Long overrides: a digest keeps every heartbeat in one datagram.
             digest = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
@@ -91,7 +89,7 @@ class Channel:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._message = {"index": config.task_index, "addresses": list(config.addresses),
-                         "pid": os.getpid(), "command": command, "state": "running"}
+                         "pid": os.getpid(), "command": command, "mode": None}
         threading.Thread(target=self._receive, name="cluster-heartbeat-rx", daemon=True).start()
         threading.Thread(target=self._ping_loop, name="cluster-heartbeat-tx",
                          daemon=True).start()
@@ -104,20 +102,17 @@ class Channel:
         with self._lock:
             return self._answers.get(task)
 
-    def set_state(self, state: str) -> None:
-        """What this task tells the others in its heartbeats, e.g. 'finished'."""
+    def set_mode(self, mode: str) -> None:
+        """This task's cluster mode, once chosen: commands are compared between tasks whose
+        modes differ or are both 'single_client' (multi-client tasks compare them through the
+        coordination service)."""
         with self._lock:
-            self._message = dict(self._message, state=state)
+            self._message = dict(self._message, mode=mode)
 
-    def ping_now(self) -> None:
-        """Pings every other task at once (e.g. to tell a new state before exiting)."""
-        for t in self.peers():
-            self._send("ping", self.config.addresses[t])
-
-    def peer_state(self, task: int) -> str | None:
-        """The state task last reported ('running', 'finished'), None if never heard."""
+    def peer_mode(self, task: int) -> str | None:
+        """The cluster mode task last reported, None if not yet (`set_mode`)."""
         with self._lock:
-            return self._states.get(task)
+            return self._modes.get(task)
 
     def _send(self, kind: str, address: tuple[str, int] | str, **extra) -> None:
         target = split_address(address) if isinstance(address, str) else address
@@ -175,12 +170,15 @@ class Channel:
                          f"({where}): two processes have TF_CONFIG task index {index}; give "
                          "each process its own index, then rerun every process.")
             theirs, ours = message.get("command"), self._message["command"]
-            if theirs is not None and ours is not None and theirs != ours:
+            modes = {message.get("mode"), self._message.get("mode")}
+            if None not in modes and modes != {"multi_client"} and theirs is not None \
+                    and ours is not None and theirs != ours:
                 if kind == "ping":
                     self._send("pong", sender)  # Lets the sender report the mismatch too.
                 exit_now(command_mismatch_message(self.config, index, ours, theirs))
             with self._lock:
-                self._states[index] = str(message.get("state"))
+                if message.get("mode") is not None:
+                    self._modes[index] = str(message.get("mode"))
             if kind == "ping":
                 self._send("pong", sender)
             elif kind == "pong":
@@ -201,6 +199,10 @@ class Channel:
 
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # Wakes the receiving thread (Linux).
+        except OSError:
+            pass
         self._sock.close()
 
 
@@ -233,6 +235,14 @@ _stderr_fd: int | None = None  # A copy of fd 2 taken by `open_channel`, for `ex
 def channel() -> Channel | None:
     """The channel `open_channel` started in this process, if any."""
     return _channel
+
+
+def close_channel() -> None:
+    """Closes this process's channel (its UDP socket and threads), if any."""
+    global _channel
+    if _channel is not None:
+        _channel.close()
+        _channel = None
 
 
 def open_channel(config: Cluster, command: list[str] | None = None,
@@ -319,54 +329,73 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
-class PeerWatch:
-    """Calls `on_lost(task, address)` when another task has not proved alive for `lost_after_s`.
+def server_answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether the TensorFlow server at `address` answers a gRPC GetStatus call in time.
 
-    Alive: it answered this process's heartbeats (`channel()`), or before its first answer
-    (UDP filtered, or no channel) its TCP port accepts connections. A task is first given
-    `start_timeout_s` to come up; one that reported 'finished' is never lost. `on_lost` runs on
-    the watch's thread and must end the process (a step waiting on the lost task cannot be
-    interrupted otherwise).
+    The RPC TensorFlow's own peer health check sends (`check_collective_ops_peer_health`,
+    unavailable to a single client): a dead task refuses it at once, a stopped one (SIGSTOP,
+    a hung host) lets it time out although its kernel still accepts the TCP connection.
+    """
+    import grpc
+
+    try:
+        with grpc.insecure_channel(address) as rpc_channel:  # GetStatusRequest is empty.
+            rpc_channel.unary_unary("/tensorflow.WorkerService/GetStatus",
+                                    request_serializer=lambda _: b"",
+                                    response_deserializer=lambda data: data)(
+                None, timeout=timeout)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+class Watchdog:
+    """Calls `on_lost(task, address)` when another task's TensorFlow server has not answered
+    (`server_answers`, over its gRPC port) for `lost_after_s`; single-client mode.
+
+    A task is first given `start_timeout_s` to come up. `on_lost` runs on the watchdog's thread;
+    it must end the process (a step waiting on the lost task cannot be interrupted otherwise:
+    bench/single_client_probe.py).
     """
 
-    def __init__(self, config: Cluster, on_lost: Callable[[int, str], None],
+    def __init__(self, config: Cluster, tasks: list[int], on_lost: Callable[[int, str], None],
                  lost_after_s: float = LOST_AFTER_S, start_timeout_s: float = 0.0) -> None:
-        self.config, self._on_lost, self._lost_after_s = config, on_lost, lost_after_s
+        self._config, self._tasks, self._on_lost = config, tasks, on_lost
+        self._lost_after_s, self._start_timeout_s = lost_after_s, start_timeout_s
         self._stop = threading.Event()
-        now = time.monotonic() + start_timeout_s
-        self._seen = {t: now for t in range(len(config.addresses)) if t != config.task_index}
+        self._thread = threading.Thread(target=self._run, name="cluster-watchdog", daemon=True)
 
-    @property
-    def peers(self) -> list[int]:
-        return list(self._seen)
-
-    def start(self) -> PeerWatch:
-        threading.Thread(target=self._run, name="cluster-peer-watch", daemon=True).start()
+    def start(self) -> Watchdog:
+        self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def stale(self, task: int) -> float:
-        """Seconds since `task` last proved alive (heartbeat, else a TCP connection)."""
-        heartbeats = channel()
-        answered = heartbeats.last_answer(task) if heartbeats is not None else None
-        if answered is not None:
-            self._seen[task] = max(self._seen[task], answered)
-        elif reachable(self.config.addresses[task], timeout=0.5):
-            self._seen[task] = time.monotonic()
-        return time.monotonic() - self._seen[task]
-
-    def finished(self, task: int) -> bool:
-        heartbeats = channel()
-        return heartbeats is not None and heartbeats.peer_state(task) == FINISHED
-
     def _run(self) -> None:
+        last_seen = {t: time.monotonic() + self._start_timeout_s for t in self._tasks}
         while not self._stop.wait(1.0):
-            for t in self._seen:
-                if (self.stale(t) > self._lost_after_s and not self.finished(t)
-                        and not self._stop.is_set()):
-                    self._on_lost(t, self.config.addresses[t])
+            for t in self._tasks:
+                address = self._config.addresses[t]
+                if server_answers(address):
+                    last_seen[t] = time.monotonic()
+                elif time.monotonic() - last_seen[t] > self._lost_after_s:
+                    if not self._stop.is_set():
+                        self._on_lost(t, address)
+                    return
+
+
+def close_when_agreed(tasks: list[int], timeout_s: float = 10.0) -> None:
+    """Closes this process's channel once each of `tasks` has told its mode (so the commands
+    were compared; a mismatch has ended the process), or after `timeout_s` (bounded)."""
+    beats = channel()
+    if beats is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(beats.peer_mode(t) is None for t in tasks):
+        time.sleep(0.2)
+    time.sleep(2 * HEARTBEAT_INTERVAL_S)  # Our own mode reaches them too.
+    close_channel()
 
 
 _before_exit: list[Callable[[], None]] = []
