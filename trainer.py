@@ -163,7 +163,7 @@ _PLAN_MEMORY_PER_DEVICE = flags.DEFINE_string(
     "plan: memory of each device, e.g. 16GiB, 512MiB or 8GB (GB = 10^9 bytes, GiB = 2^30).")
 _PLAN_DEVICE_FLOPS = flags.DEFINE_float(
     "plan_device_flops", None,
-    "plan: achieved FLOP/s of one device (default 5e13, see lingvo_lite/training/planner.py).")
+    "plan: achieved FLOP/s of one device (default 5e13, see lingvo_lite/analysis/planner.py).")
 
 _EXPORT_CHECKPOINT = flags.DEFINE_string(
     "export_checkpoint", None,
@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
         os.environ[TF_LOG_LEVEL_ENV] = "2"  # C++ errors only, once its logging is set up.
         _import_tensorflow_quietly()
     # Imported only now: it loads TensorFlow, which the checks above do not need.
-    from lingvo_lite import model_registry
+    from lingvo_lite.tasks import model_registry
     from lingvo_lite.training import runner
 
     model_registry.add_model_package(MODEL_PACKAGE)

@@ -21,7 +21,7 @@ if ROOT not in sys.path:
 def setup(num_devices: int, intra_op_threads: int, inter_op_threads: int) -> None:
     """Configures logical CPUs and thread pools; must run before any TensorFlow op."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(num_devices, intra_op_threads, inter_op_threads)
 
@@ -33,7 +33,7 @@ def setup(num_devices: int, intra_op_threads: int, inter_op_threads: int) -> Non
 def _transformer_block_cls():
     import tensorflow as tf
 
-    from lingvo_lite import base_layer, hyperparams, layer_memory
+    from lingvo_lite.core import base_layer, hyperparams, layer_memory
     from lingvo_lite.layers import attention, feedforward, normalization
 
     class TransformerBlock(base_layer.BaseLayer):
@@ -89,8 +89,8 @@ def transformer(num_blocks: int, batch: int, seq: int, dim: int, hidden: int, he
     import numpy as np
     import tensorflow as tf
 
+    from lingvo_lite.core.nested_map import NestedMap
     from lingvo_lite.layers import losses, structural
-    from lingvo_lite.nested_map import NestedMap
 
     block = _transformer_block_cls()
     layers = [structural.FieldLayer.Params().Set(
@@ -115,8 +115,8 @@ def mlp(num_layers: int, batch: int, width: int, num_classes: int = 10, bias: bo
     import numpy as np
     import tensorflow as tf
 
+    from lingvo_lite.core.nested_map import NestedMap
     from lingvo_lite.layers import dense, losses, structural
-    from lingvo_lite.nested_map import NestedMap
 
     layers = [structural.FieldLayer.Params().Set(
         name=f"dense_{i}", field="x", sub=dense.ProjectionLayer.Params().Set(
@@ -140,7 +140,7 @@ def amoebanet(batch: int, image_size: int, filters: int, num_normal_cells: int):
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
     from tasks.image import amoebanet as amoeba
 
     net = amoeba.AmoebaNetParams().Set(
@@ -166,7 +166,7 @@ def mt_transformer(batch: int, length: int, num_layers: int, dropout_prob: float
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
     from tasks.mt import layers as mt
 
     layers = mt.transformer_layers(vocab, 128, 512, 4, num_layers, num_layers,
@@ -235,7 +235,7 @@ def pipeline_train_step(pipe, learning_rate: float = 1e-3, momentum: float = 0.9
     """A compiled step: pipelined forward/backward, then momentum-SGD on each weight's device."""
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
 
     variables = [v for v in pipe.vars.Flatten() if v.trainable]
     slots = _momentum_slots(variables)
@@ -264,7 +264,7 @@ def plain_train_step(pipe, learning_rate: float = 1e-3, momentum: float = 0.9):
     """The same model and update as a plain tf.function + GradientTape (no pipeline code)."""
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
     from lingvo_lite.layers import composite
 
     variables = [v for v in pipe.vars.Flatten() if v.trainable]

@@ -65,14 +65,14 @@ def main() -> None:
     parser.add_argument("--no_record", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(2, 1, 2)
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core import fprop_context
+    from lingvo_lite.core.nested_map import NestedMap
     from lingvo_lite.pipeline import pipelining_layer
     from tasks.mt import input_generator, layers
 

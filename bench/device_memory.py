@@ -20,7 +20,7 @@ several models on one set of workers):
         --configs=2:1:4:1f1b:always,1:2:1:gpipe:never,4:1:4:interleaved:never:2
 
 `peaks[k]` is the median over MEASURED_STEPS training steps of device k's peak in the step
-(forward, backward and the update of `lingvo_lite.optimizers`, momentum SGD unless the
+(forward, backward and the update of `lingvo_lite.tasks.optimizers`, momentum SGD unless the
 registered task names another) above what the worker held before the pipeline's variables were
 created: weights, gradients, optimizer slots and every transient. Workers are started here and
 stopped here by PID.
@@ -150,8 +150,8 @@ def measure_step(cluster: Cluster, layers, shapes, make_batch, num_cells: int,
                  optimizer=None, virtual_stages: int = 1,
                  trace_dir: str | None = None) -> list[int]:
     """Peak bytes of each of the R x K / v devices in one training step (module docstring; v:
-    cells per device, interleaved); `optimizer` (lingvo_lite.optimizers params) defaults to SGD
-    with momentum 0.9. With `trace_dir`, one more step runs with every worker recording its
+    cells per device, interleaved); `optimizer` (lingvo_lite.tasks.optimizers params) defaults
+    to SGD with momentum 0.9. With `trace_dir`, one more step runs with every worker recording its
     allocations under trace_dir/<device> (`memory_at_peak.py` reads them)."""
     import bench_lib
 
@@ -170,14 +170,15 @@ def _measure(cluster: Cluster, build, batch, num_devices: int, optimizer=None,
     """Builds the pipeline on the cluster's first devices; each device's median peak over
     MEASURED_STEPS steps after a warm-up step.
 
-    The step is `FPropAndReplicaGrads`, then `optimizer.apply` (lingvo_lite.optimizers, the
+    The step is `FPropAndReplicaGrads`, then `optimizer.apply` (lingvo_lite.tasks.optimizers, the
     trainer's update: slots beside each trainable weight).
     """
     import gc
 
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context, optimizers
+    from lingvo_lite.core import fprop_context
+    from lingvo_lite.tasks import optimizers
 
     if optimizer is None:
         optimizer = optimizers.SGD.Params().Set(momentum=0.9)
@@ -242,8 +243,8 @@ def random_batch(shapes, seed: int = 0):
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite import base_layer
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core import base_layer
+    from lingvo_lite.core.nested_map import NestedMap
 
     rng = np.random.default_rng(seed)
     shapes = base_layer.to_shape(shapes)
@@ -272,7 +273,7 @@ def measure_model(cluster: Cluster, model: str, num_cells: int, num_replicas: in
                   model_params_override: str = "", virtual_stages: int = 1) -> list[int]:
     """Per-device peaks of a registered model's (first) PipeliningLayer in one training step,
     updated by the task's optimizer (`virtual_stages` cells per device: interleaved)."""
-    from lingvo_lite import model_registry
+    from lingvo_lite.tasks import model_registry
     from lingvo_lite.training import model_config, options
 
     model_registry.add_model_package("model_params")  # As trainer.py does.

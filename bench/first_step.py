@@ -32,15 +32,15 @@ WIDTH, BATCH = 64, 64
 def worker(args: argparse.Namespace) -> dict:
     sys.path.insert(0, args.code_root)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(args.cells, 1, args.cells)
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
+    from lingvo_lite.core.nested_map import NestedMap
     from lingvo_lite.layers import dense, losses, structural
-    from lingvo_lite.nested_map import NestedMap
     from lingvo_lite.pipeline import pipelining_layer
 
     layers = [structural.FieldLayer.Params().Set(

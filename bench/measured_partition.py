@@ -3,7 +3,8 @@
 For each K and each AmoebaNet-D depth L (`--num_normal_cells`; the registered model's is 1, and
 7 layers cannot be split finer than the costliest layer allows), the `image.AmoebaNetDigits`
 pipeline is partitioned twice,
-`partition_cost='flops'` and `partition_cost='measured'` (lingvo_lite/pipeline/layer_profile.py),
+`partition_cost='flops'` and `partition_cost='measured'`
+(lingvo_lite/pipeline/partition/layer_profile.py),
 and both are trained side by side at T micro-batches on K serial devices (`serial_devices=True`,
 intra-op 1 and inter-op K threads: each device runs one op at a time, as an accelerator). It
 prints, per partition:
@@ -70,7 +71,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _network_params(num_normal_cells: int):
-    from lingvo_lite import model_registry
+    from lingvo_lite.tasks import model_registry
     from lingvo_lite.training import model_config
     from tasks.image import amoebanet
 
@@ -88,7 +89,7 @@ def _batch(network):
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
 
     shapes = network.input_shapes
     rng = np.random.default_rng(0)
@@ -114,7 +115,7 @@ def _busy_imbalance(step, batch, num_cells: int, num_steps: int) -> float:
 def run(args: argparse.Namespace, num_normal_cells: int) -> dict:
     import bench_lib
 
-    from lingvo_lite.pipeline import layer_profile, partition
+    from lingvo_lite.pipeline.partition import layer_profile, partition
 
     if args.quick:
         layer_profile.DEFAULT_WARMUP_RUNS, layer_profile.DEFAULT_TIMED_RUNS = 1, 2

@@ -35,8 +35,8 @@ def predicted(layers, shapes, num_cells: int, num_micro_batches: int, schedule: 
               remat: str, num_slots: int = 1, virtual_stages: int = 1) -> list[int]:
     """The memory model's peak per device (momentum SGD: one slot), as the planner predicts it
     (receives land on the schedule's timeline simulated from the cells' FLOPs)."""
+    from lingvo_lite.analysis import planner
     from lingvo_lite.pipeline import pipelining_layer
-    from lingvo_lite.training import planner
 
     p = pipelining_layer.PipeliningLayer.Params().Set(
         name="pipe", layers=layers, num_cells=num_cells, input_shapes=shapes)

@@ -39,8 +39,9 @@ import tensorflow as tf
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from lingvo_lite import base_input_generator, hyperparams, model_registry  # noqa: E402
-from lingvo_lite.nested_map import NestedMap  # noqa: E402
+from lingvo_lite.core import hyperparams  # noqa: E402
+from lingvo_lite.core.nested_map import NestedMap  # noqa: E402
+from lingvo_lite.tasks import base_input_generator, model_registry  # noqa: E402
 from tests import testdata_models  # noqa: E402
 
 INPUT_DIM, HIDDEN, CLASSES, BATCH = 512, 256, 10, 48

@@ -47,15 +47,15 @@ def measure_peaks(num_layers: int = 16, num_cells: int = 2, num_micro_batches: i
     and `activation_bytes[mode]` = peak - grad_bytes, the transient activations (and
     per-micro-batch gradient temporaries) at the peak.
     """
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(num_cells, inter_op_threads=inter_op_threads)
     import numpy as np
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
+    from lingvo_lite.core.nested_map import NestedMap
     from lingvo_lite.layers import dense, losses, structural
-    from lingvo_lite.nested_map import NestedMap
     from lingvo_lite.pipeline import pipelining_layer
 
     modes = list(modes or ["never", "except_last", "always"])

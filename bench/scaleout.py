@@ -42,7 +42,7 @@ def replica_train_step(pipe, learning_rate: float = 1e-3, momentum: float = 0.9)
     """A compiled data-parallel step: `FPropAndReplicaGrads`, then momentum SGD per replica."""
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
 
     thetas = pipe.replica_thetas(pipe.theta)
     variables = [[v for v in th.Flatten() if isinstance(v, tf.Variable) and v.trainable]
@@ -179,7 +179,7 @@ def cross_process(model: str, quick: bool, rounds: int, iters: int, intra: int, 
     import tensorflow as tf
     from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
 
     addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -255,8 +255,8 @@ def _boundary_bytes(layers, shapes, boundary: int, batch) -> tuple[int, int]:
 
     Shapes come from the layers' FPropMeta; dtypes from the batch's fields of the same name.
     """
-    from lingvo_lite import base_layer
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core import base_layer
+    from lingvo_lite.core.nested_map import NestedMap
 
     in_shapes = (base_layer.to_shape(shapes),)
     for lp in layers[:boundary]:

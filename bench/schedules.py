@@ -108,7 +108,7 @@ def _phase_calls(pipe, batch, num_micro_batches: int) -> dict[str, object]:
     """
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context
+    from lingvo_lite.core import fprop_context
     from lingvo_lite.layers import weight_ops
     from lingvo_lite.pipeline import cell_functions, micro_batch, tf_private
 
@@ -239,7 +239,7 @@ def _side_by_side(fn, twin):
 
 
 def fig_speedup(args: argparse.Namespace) -> dict:
-    from lingvo_lite.pipeline import schedule
+    from lingvo_lite.pipeline.schedules import schedule
 
     k = args.devices
     layers, shapes, make_batch = bench_lib.model(args.model, args.quick)

@@ -6,7 +6,7 @@ accelerators with a processor and memory each, so this model lives with the benc
 measure such hosts, not in `lingvo_lite.analysis`. It plugs into the simulator as its replay:
 
     >>> from lingvo_lite.analysis import simulator
-    >>> from lingvo_lite.pipeline import schedule
+    >>> from lingvo_lite.pipeline.schedules import schedule
     >>> sched = schedule.make_schedule("gpipe", 2, 2)
     >>> costs = simulator.PhaseCosts.uniform(2, forward=1.0, backward=2.0)
     >>> simulator.simulate(sched, costs, remat="never", replay=replay(processors=1)).step_time
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lingvo_lite.analysis import simulator  # noqa: E402
-from lingvo_lite.pipeline import schedule as schedule_lib  # noqa: E402
-from lingvo_lite.pipeline.schedule import Action  # noqa: E402
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib  # noqa: E402
+from lingvo_lite.pipeline.schedules.schedule import Action  # noqa: E402
 
 __all__ = ["CoRunSlowdown", "replay", "replay_on_shared_processors"]
 

@@ -18,17 +18,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lingvo_lite import devices  # noqa: E402
+from lingvo_lite.core import devices  # noqa: E402
 
 devices.configure_logical_cpus(4)
 
 import tensorflow as tf  # noqa: E402
 
-from lingvo_lite import base_layer, fprop_context  # noqa: E402
 from lingvo_lite.analysis import simulator  # noqa: E402
+from lingvo_lite.core import base_layer, fprop_context  # noqa: E402
+from lingvo_lite.core.nested_map import NestedMap  # noqa: E402
 from lingvo_lite.layers import dense, losses, structural  # noqa: E402
-from lingvo_lite.nested_map import NestedMap  # noqa: E402
-from lingvo_lite.pipeline import pipelining_layer, schedule  # noqa: E402
+from lingvo_lite.pipeline import pipelining_layer  # noqa: E402
+from lingvo_lite.pipeline.schedules import schedule  # noqa: E402
 
 FORWARD, BACKWARD = 0.02, 0.04  # Seconds each sleep layer takes per micro-batch.
 TOLERANCE = 0.15  # The target: within 15% of the measured step.

@@ -104,7 +104,7 @@ def transformer_params(num_layers: int, batch: int = 32, length: int = 1024):
 
 def peak(p, slots: int, k: int, micro: int, schedule: str, remat: str) -> int | None:
     """Predicted bytes of the fullest device, or None when K cells cannot be made."""
-    from lingvo_lite.training import planner
+    from lingvo_lite.analysis import planner
 
     if k > len(p.layers):
         return None

@@ -20,8 +20,8 @@ import shared_processors  # noqa: E402
 from lingvo_lite.analysis import simulator  # noqa: E402
 from lingvo_lite.analysis.simulator import BACKWARD_RATIO  # noqa: E402
 from lingvo_lite.pipeline import remat as remat_lib  # noqa: E402
-from lingvo_lite.pipeline import schedule  # noqa: E402
-from lingvo_lite.pipeline.schedule import Action, Phase  # noqa: E402
+from lingvo_lite.pipeline.schedules import schedule  # noqa: E402
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase  # noqa: E402
 
 TOLERANCE = 0.15  # Issue 16: within 15% of the measured step,
 ISSUE_MICRO_BATCHES = (1, 4, 8)  # at these T.

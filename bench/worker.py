@@ -215,8 +215,8 @@ def fig_fits() -> dict:
 
 def fig_partition() -> dict:
     """Cost-model imbalance of every registered model's pipelines at K = 2, 4, 8."""
-    from lingvo_lite import model_registry
     from lingvo_lite.pipeline import pipelining_layer
+    from lingvo_lite.tasks import model_registry
     from lingvo_lite.training import model_config
 
     model_registry.add_model_package("model_params")  # As trainer.py does.

@@ -44,7 +44,8 @@ def measure(cluster, num_replicas: int, num_cells: int, sharded: bool) -> dict:
     import device_memory
     import tensorflow as tf
 
-    from lingvo_lite import fprop_context, optimizers, sharded_optimizer
+    from lingvo_lite.core import fprop_context
+    from lingvo_lite.tasks import optimizers, sharded_optimizer
 
     layers, shapes, make_batch = bench_lib.mlp(LAYERS, BATCH, WIDTH)
     gc.collect()
@@ -119,10 +120,9 @@ def step_times(runs: dict, rounds: int = 5, steps: int = 5) -> dict:
 def predicted_slot_bytes(num_replicas: int, num_cells: int, sharded: bool) -> list[int]:
     import bench_lib
 
-    from lingvo_lite import optimizers
-    from lingvo_lite.analysis import memory_model
+    from lingvo_lite.analysis import memory_model, planner
     from lingvo_lite.pipeline import pipelining_layer
-    from lingvo_lite.training import planner
+    from lingvo_lite.tasks import optimizers
 
     layers, shapes, _ = bench_lib.mlp(LAYERS, BATCH, WIDTH)
     p = pipelining_layer.PipeliningLayer.Params().Set(

@@ -14,35 +14,35 @@ Modules not re-exported here are the implementation; their own `__all__` says wh
 names others may rely on (`[]`: none).
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     # Hyperparameters and structures.
-    "Params": "lingvo_lite.hyperparams",
-    "InstantiableParams": "lingvo_lite.hyperparams",
-    "NestedMap": "lingvo_lite.nested_map",
+    "Params": "lingvo_lite.core.hyperparams",
+    "InstantiableParams": "lingvo_lite.core.hyperparams",
+    "NestedMap": "lingvo_lite.core.nested_map",
     # Layers: the base class, its weights, the per-call context.
-    "BaseLayer": "lingvo_lite.base_layer",
-    "WeightParams": "lingvo_lite.weight_params",
-    "WeightInit": "lingvo_lite.weight_params",
-    "fprop_context": "lingvo_lite.fprop_context",
-    "UpdateCollector": "lingvo_lite.fprop_context",
+    "BaseLayer": "lingvo_lite.core.base_layer",
+    "WeightParams": "lingvo_lite.core.weight_params",
+    "WeightInit": "lingvo_lite.core.weight_params",
+    "fprop_context": "lingvo_lite.core.fprop_context",
+    "UpdateCollector": "lingvo_lite.core.fprop_context",
     # The pipeline and its Keras front end.
     "PipeliningLayer": "lingvo_lite.pipeline.pipelining_layer",
     "PipelinedModel": "lingvo_lite.keras.pipelined_model",
     # Tasks, inputs, optimisation and the model registry.
-    "BaseTask": "lingvo_lite.base_task",
-    "PipelinedTask": "lingvo_lite.pipelined_task",
-    "BaseInputGenerator": "lingvo_lite.base_input_generator",
-    "optimizers": "lingvo_lite.optimizers",
-    "learning_rate": "lingvo_lite.learning_rate",
-    "model_registry": "lingvo_lite.model_registry",
-    "SingleTaskModelParams": "lingvo_lite.model_registry",
-    "SplitInputModelParams": "lingvo_lite.model_registry",
+    "BaseTask": "lingvo_lite.tasks.base_task",
+    "PipelinedTask": "lingvo_lite.tasks.pipelined_task",
+    "BaseInputGenerator": "lingvo_lite.tasks.base_input_generator",
+    "optimizers": "lingvo_lite.tasks.optimizers",
+    "learning_rate": "lingvo_lite.tasks.learning_rate",
+    "model_registry": "lingvo_lite.tasks.model_registry",
+    "SingleTaskModelParams": "lingvo_lite.tasks.model_registry",
+    "SplitInputModelParams": "lingvo_lite.tasks.model_registry",
     # Stand-in accelerators: logical CPU devices.
-    "devices": "lingvo_lite.devices",
+    "devices": "lingvo_lite.core.devices",
 }
 
 __all__ = list(_EXPORTS)

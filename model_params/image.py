@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
+from lingvo_lite.core import hyperparams
+from lingvo_lite.tasks import learning_rate, model_registry, optimizers
 from tasks.image import amoebanet, classifier, input_generator
 
 __all__ = [

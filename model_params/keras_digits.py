@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import keras
 
-from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
+from lingvo_lite.core import hyperparams
 from lingvo_lite.keras import KerasTask, pipeline_params
+from lingvo_lite.tasks import learning_rate, model_registry, optimizers
 from tasks.image import input_generator
 
 __all__ = ["residual_block", "resnet_layers", "ResNetDigits"]

@@ -10,8 +10,9 @@ from typing import Any
 
 import keras
 
-from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
+from lingvo_lite.core import hyperparams
 from lingvo_lite.keras import functional_network_params
+from lingvo_lite.tasks import learning_rate, model_registry, optimizers
 from tasks.text import char_lm, char_lm_input
 
 __all__ = ["GPT2CharLM", "gpt2_causal_lm"]

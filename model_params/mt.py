@@ -11,7 +11,8 @@ reproduces all five of its parameter counts, so that is what these configuration
 
 from __future__ import annotations
 
-from lingvo_lite import hyperparams, learning_rate, model_registry, optimizers
+from lingvo_lite.core import hyperparams
+from lingvo_lite.tasks import learning_rate, model_registry, optimizers
 from tasks.mt import input_generator, layers, model
 
 __all__ = [

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import learning_rate, model_registry
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import learning_rate, model_registry
 from tasks.image import amoebanet
 
 NUM_STEPS = 5

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from tasks.image import amoebanet as an
 
 # Ops that read only a tensor's shape: they run as soon as the tensor exists and do not keep

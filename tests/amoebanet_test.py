@@ -7,10 +7,11 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context, pipelined_task
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.analysis import model_analysis
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
-from lingvo_lite.training import analysis
+from lingvo_lite.tasks import pipelined_task
 from tasks.image import amoebanet as an
 
 EPS = 1e-3  # The default batch_norm_epsilon.
@@ -445,8 +446,8 @@ class AmoebaNetLayersTest(tf.test.TestCase):
         task = pipelined_task.PipelinedTask.Params().Set(
             network=pipelining_layer.PipeliningLayer.Params().Set(
                 name="net", layers=lps, num_cells=2, input_shapes=an.input_shapes(p, 3)))
-        text = analysis.describe_model("tiny", task)
-        fmt = analysis.format_count
+        text = model_analysis.describe_model("tiny", task)
+        fmt = model_analysis.format_count
         self.assertIn(f"Total parameters in PipeliningLayers: {fmt(trainable + non_trainable)}",
                       text)
         self.assertIn(f"  trainable: {fmt(trainable)}\n", text)

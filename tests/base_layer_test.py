@@ -7,7 +7,7 @@ import doctest
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_layer
+from lingvo_lite.core import base_layer
 from lingvo_lite.layers import composite, dense
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite.fprop_context import UpdateCollector, fprop_context
+from lingvo_lite.core.fprop_context import UpdateCollector, fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import normalization
-from lingvo_lite.nested_map import NestedMap
 
 
 def _np_normalize(x, mean, variance, gamma, beta, epsilon):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import unittest
 
 from lingvo_lite.analysis import breakdown_advice, trace_analysis
-from lingvo_lite.pipeline import schedule
+from lingvo_lite.pipeline.schedules import schedule
 
 GPIPE_K2_T8 = schedule.make_schedule("gpipe", 2, 8)
 CONFIG = breakdown_advice.PipelineConfig(GPIPE_K2_T8)

@@ -1,4 +1,4 @@
-"""Planning a pipeline trained on length buckets (training/bucket_plan.py, planner, analysis).
+"""Planning a pipeline trained on length buckets (analysis/bucket_plan.py, planner, analysis).
 
 Memory is planned for the largest bucket: the search on the buckets alone finds the plans of
 the same model declared with that one shape. Time is the bucket mix: each bucket's step, as
@@ -17,10 +17,11 @@ import pytest
 import tensorflow as tf
 from mt_buckets_test import LENGTHS, SIZES, _params, data_dir  # noqa: F401
 
-from lingvo_lite import hyperparams
+from lingvo_lite.analysis import bucket_plan, model_analysis, planner
+from lingvo_lite.core import hyperparams
 from lingvo_lite.layers import dense
 from lingvo_lite.pipeline import pipelining_layer
-from lingvo_lite.training import analysis, bucket_plan, planner
+from lingvo_lite.training import plan_mode
 
 BUCKETS = [[32, 16], [16, 16], [8, 16]]
 BUDGET = 64 * 2**20
@@ -82,12 +83,12 @@ def test_plan_and_inspect_model_of_buckets_without_input_shapes():
     p = _pipeline()
     task = hyperparams.Params()
     task.Define("network", p, "")
-    text = planner.plan_text("m", task, 4, BUDGET)
+    text = plan_mode.plan_text("m", task, 4, BUDGET)
     assert "Bucket mix (weights: equal" in text and "[8, 16]" in text
     assert "Memory is planned for [32, 16]" in text
     best = planner.search(_fixed(BUCKETS[0]), 4, BUDGET).fitting[0]  # Same partition, T <= 8.
     assert f"Per-device memory of plan 1 ({best.label()})" in text
-    described, _ = analysis.describe_pipeline("network", p)
+    described, _ = model_analysis.describe_pipeline("network", p)
     assert "Bucket mix (weights: equal" in described
     assert "K=2, gpipe, remat=except_last" in described
 

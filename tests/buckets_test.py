@@ -13,9 +13,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 from pipeline_test import ATOL, RTOL, _drop, _proj
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, losses, structural
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets, pipelining_layer
 
 DIM, WIDTH, CLASSES = 6, 10, 5

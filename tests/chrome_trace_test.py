@@ -10,7 +10,7 @@ import unittest
 from trace_readers import boxes_from_trace
 
 from lingvo_lite.analysis import chrome_trace, ideal_timeline, trace_analysis
-from lingvo_lite.pipeline import schedule
+from lingvo_lite.pipeline.schedules import schedule
 
 ORIGIN = 1_732_000_000_123_456_789  # A profiler clock reading: ns since the epoch.
 BOXES = [

@@ -6,7 +6,7 @@ import doctest
 
 import tensorflow as tf
 
-from lingvo_lite import colocation
+from lingvo_lite.core import colocation
 
 
 class ColocatedTest(tf.test.TestCase):

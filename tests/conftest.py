@@ -20,11 +20,11 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from lingvo_lite import devices  # noqa: E402
+from lingvo_lite.core import devices  # noqa: E402
 
 devices.configure_logical_cpus(8)
 
-from lingvo_lite import model_registry  # noqa: E402
+from lingvo_lite.tasks import model_registry  # noqa: E402
 
 # As trainer.py does: the repository's registered models live in model_params/.
 model_registry.add_model_package("model_params")
@@ -126,7 +126,7 @@ def random_xy_batch(batch: int, width: int, num_classes: int):
     """A NestedMap(x, labels) of normal floats and uniform labels, seeded (same every call)."""
     import numpy as np
 
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
 
     rng = np.random.default_rng(0)
     return NestedMap(x=tf.constant(rng.normal(size=(batch, width)), tf.float32),

@@ -24,10 +24,10 @@ ENTRY_POINTS = {
     "lingvo_lite.layers": [""],
     "lingvo_lite.pipeline": [""],
     "lingvo_lite.analysis": [""],
-    "lingvo_lite.model_registry": ["", "SplitInputModelParams"],
+    "lingvo_lite.tasks.model_registry": ["", "SplitInputModelParams"],
     "lingvo_lite.training": [""],
     "lingvo_lite.training.runner": ["main"],
-    "lingvo_lite.dotted_path": ["split"],
+    "lingvo_lite.core.dotted_path": ["split"],
 }
 
 _RUNNER = """

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, weight_params
+from lingvo_lite.core import base_layer, fprop_context, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, dense, dropout, structural
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
 

@@ -23,9 +23,10 @@ import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import model_registry
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.training import equivalence, model_config
+from lingvo_lite.analysis import equivalence
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry
+from lingvo_lite.training import model_config
 from model_params import image, mt  # noqa: F401 (registers the models)
 from tasks.image import input_generator
 

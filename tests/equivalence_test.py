@@ -22,11 +22,12 @@ import tensorflow as tf
 import testdata_models
 from conftest import launch_trainer
 
-from lingvo_lite import fprop_context
+from lingvo_lite.analysis import equivalence
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import KerasTask, pipeline_params
 from lingvo_lite.layers import composite
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.training import equivalence, model_config
+from lingvo_lite.training import model_config
 
 
 def _launch(*args: str) -> subprocess.Popen:

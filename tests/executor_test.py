@@ -14,16 +14,10 @@ import tensorflow as tf
 from absl.testing import parameterized
 from conftest import random_xy_batch, tanh_stack_with_loss
 
-from lingvo_lite import fprop_context
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import (
-    cell_functions,
-    executor,
-    op_names,
-    pipelining_layer,
-    remat,
-    schedule,
-)
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.pipeline import cell_functions, executor, op_names, pipelining_layer, remat
+from lingvo_lite.pipeline.schedules import schedule
 
 
 class RematPlanTest(tf.test.TestCase):

@@ -26,8 +26,9 @@ import pytest
 import tensorflow as tf
 from conftest import REPO, launch_trainer
 
-from lingvo_lite import fprop_context, model_registry
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry
 from lingvo_lite.training import checkpointer, model_config, options, runner
 from tasks.image import input_generator as image_input
 from tasks.mt import input_generator, model

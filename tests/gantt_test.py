@@ -14,7 +14,8 @@ from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 
 from lingvo_lite.analysis import chrome_trace, gantt, ideal_timeline, trace_analysis
-from lingvo_lite.pipeline import custom_schedule, op_names, schedule
+from lingvo_lite.pipeline import op_names
+from lingvo_lite.pipeline.schedules import custom_schedule, schedule
 
 MS = 1_000_000  # ns
 T0 = 5 * MS  # The first op's start on the profiler clock: the chart's time 0.

@@ -33,7 +33,7 @@ os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
-from lingvo_lite import base_layer, fprop_context, layer_memory
+from lingvo_lite.core import base_layer, fprop_context, layer_memory
 from lingvo_lite.layers import attention
 
 case = json.loads(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Tests for lingvo_lite.hyperparams (Params, InstantiableParams, CopyFieldsTo)."""
+"""Tests for lingvo_lite.core.hyperparams (Params, InstantiableParams, CopyFieldsTo)."""
 
 import collections
 import copy
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
-from lingvo_lite.hyperparams import CopyFieldsTo, InstantiableParams, Params
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.hyperparams import CopyFieldsTo, InstantiableParams, Params
 
 
 class Color(enum.Enum):
@@ -451,8 +451,8 @@ def test_pickle_round_trip():
 
 
 def test_from_text_reads_classes_of_renamed_modules():
-    # params.txt written before lingvo_lite.lr_schedule became lingvo_lite.learning_rate.
-    from lingvo_lite import learning_rate
+    # params.txt written before lingvo_lite.lr_schedule became lingvo_lite.tasks.learning_rate.
+    from lingvo_lite.tasks import learning_rate
 
     p = hyperparams.Params()
     p.Define("schedule", None, "")

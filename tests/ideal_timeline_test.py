@@ -5,7 +5,7 @@ from __future__ import annotations
 import unittest
 
 from lingvo_lite.analysis import ideal_timeline, trace_analysis
-from lingvo_lite.pipeline import schedule
+from lingvo_lite.pipeline.schedules import schedule
 
 
 class PredictTest(unittest.TestCase):

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
 from tasks.image import input_generator
 
 _CSV = os.path.join(os.path.dirname(input_generator.__file__), "data", "digits.csv.gz")

@@ -22,10 +22,11 @@ import tensorflow as tf
 
 keras_hub = pytest.importorskip("keras_hub")
 
-from lingvo_lite import fprop_context, model_registry  # noqa: E402
+from lingvo_lite.core import fprop_context  # noqa: E402
+from lingvo_lite.core.nested_map import NestedMap  # noqa: E402
 from lingvo_lite.keras import functional  # noqa: E402
 from lingvo_lite.keras.graph_layer import GraphNodeLayer  # noqa: E402
-from lingvo_lite.nested_map import NestedMap  # noqa: E402
+from lingvo_lite.tasks import model_registry  # noqa: E402
 from lingvo_lite.training import options, runner  # noqa: E402
 from model_params import keras_gpt2  # noqa: E402
 from tasks.text import char_lm_input  # noqa: E402

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context, hyperparams
+from lingvo_lite.core import fprop_context, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import keras_flops, keras_layer
-from lingvo_lite.nested_map import NestedMap
 
 
 @keras.saving.register_keras_serializable(package="keras_layer_test")

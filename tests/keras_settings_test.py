@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import PipelinedModel, pipeline_params
 from lingvo_lite.keras.keras_loss import KerasLossLayer, serialize_loss
-from lingvo_lite.nested_map import NestedMap
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 

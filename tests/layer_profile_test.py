@@ -15,10 +15,12 @@ from unittest import mock
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import layer_profile, pipelining_layer
-from lingvo_lite.training import analysis, model_config
+from lingvo_lite.analysis import model_analysis
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.pipeline.partition import layer_profile
+from lingvo_lite.training import model_config
 from tests import testdata_models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +59,7 @@ class RepeatedMatmul(base_layer.BaseLayer):
 
 
 def _weight(dim: int):
-    from lingvo_lite import weight_params
+    from lingvo_lite.core import weight_params
 
     return weight_params.WeightParams(shape=[dim, dim],
                                       init=weight_params.WeightInit.Gaussian(1.0 / dim ** 0.5))
@@ -264,7 +266,7 @@ class LayerProfileTest(tf.test.TestCase):
         task.network.Set(partition_cost="measured", partition_profile_path=self.path)
         fresh = _fake_profile(task.network, [1e-3, 2e-3, 1e-3], [3e-3, 6e-3, 2e-3])
         _write(self.path, [fresh])
-        text = analysis.describe_model("tiny", task, extra_num_cells=[3])
+        text = model_analysis.describe_model("tiny", task, extra_num_cells=[3])
         lines = text.splitlines()
         row = next(ln.split() for ln in lines if ln.startswith("1  fc1 ") and "ms" not in ln
                    and len(ln.split()) == 5)

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import (
     activations,
     conv,
@@ -18,7 +19,6 @@ from lingvo_lite.layers import (
     pooling,
     structural,
 )
-from lingvo_lite.nested_map import NestedMap
 
 _ERF = np.vectorize(math.erf)
 

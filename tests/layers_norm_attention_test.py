@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite.fprop_context import fprop_context
+from lingvo_lite.core.fprop_context import fprop_context
 from lingvo_lite.layers import attention, feedforward, losses, normalization
 
 

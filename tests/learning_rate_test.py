@@ -6,7 +6,7 @@ import math
 
 import tensorflow as tf
 
-from lingvo_lite import learning_rate
+from lingvo_lite.tasks import learning_rate
 
 STEPS = [0, 1, 2, 99, 100, 101, 299, 300, 301, 999, 1000, 1500]
 

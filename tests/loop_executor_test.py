@@ -26,10 +26,11 @@ from pipeline_test import (
 )
 from trace_readers import cell_orders
 
-from lingvo_lite import fprop_context
 from lingvo_lite.analysis import trace_analysis
+from lingvo_lite.core import fprop_context
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import cell_functions, loop_executor, pipelining_layer, schedule
+from lingvo_lite.pipeline import cell_functions, loop_executor, pipelining_layer
+from lingvo_lite.pipeline.schedules import schedule
 
 
 def _loop_step(pipe, step_seed: int = 3, input_grads: bool = False):
@@ -200,14 +201,14 @@ class LoopConfigTest(tf.test.TestCase):
                 make_pipeline(mlp_layers(), 2, 4, remat_mode, micro_batch_loop=True, **kw)
 
     def test_default_is_unrolled_and_the_model_analysis_says_which(self):
-        from lingvo_lite.training import analysis
+        from lingvo_lite.analysis import model_analysis
 
         p = pipelining_layer.PipeliningLayer.Params().Set(
             layers=mlp_layers(), num_cells=2, num_micro_batches=4, remat="always",
             partition_method="uniform")
         self.assertFalse(p.micro_batch_loop)
-        self.assertNotIn("while_loop", analysis.describe_pipeline("network", p)[0])
-        text = analysis.describe_pipeline("network", p.Copy().Set(micro_batch_loop=True))[0]
+        self.assertNotIn("while_loop", model_analysis.describe_pipeline("network", p)[0])
+        text = model_analysis.describe_pipeline("network", p.Copy().Set(micro_batch_loop=True))[0]
         self.assertIn("schedule=gpipe (micro-batches in a tf.while_loop)", text)
 
 

@@ -19,11 +19,13 @@ import sys
 
 import pytest
 
-from lingvo_lite import layer_memory, optimizers
-from lingvo_lite.analysis import memory_model, simulator
+from lingvo_lite.analysis import memory_model, planner, simulator
 from lingvo_lite.analysis.memory_model import LayerMemory
-from lingvo_lite.pipeline import partition, schedule
-from lingvo_lite.training import model_config, options, planner
+from lingvo_lite.core import layer_memory
+from lingvo_lite.pipeline.partition import partition
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.tasks import optimizers
+from lingvo_lite.training import model_config, options
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOLERANCE = 0.20
@@ -268,7 +270,7 @@ def test_interleaved_batched_w_frees_each_cells_records_after_its_last_backward(
 def test_deferred_bytes_from_the_layers_metas():
     import tensorflow as tf
 
-    from lingvo_lite import base_layer
+    from lingvo_lite.core import base_layer
     from lingvo_lite.layers import dense, normalization
 
     proj = dense.ProjectionLayer.Params().Set(name="p", input_dim=4, output_dim=3)
@@ -362,7 +364,7 @@ def _assert_within_tolerance(model: str) -> None:
 def test_docstring_examples():
     import doctest
 
-    from lingvo_lite.training import sizes
+    from lingvo_lite.core import sizes
 
     for module in (memory_model, planner, sizes):
         result = doctest.testmod(module)

@@ -22,10 +22,11 @@ import tensorflow as tf
 from absl.testing import parameterized
 from pipeline_test import BATCH, WIDTH, _drop, _field, _loss, _proj, input_shapes, make_batch
 
-from lingvo_lite import fprop_context, optimizers, pipelined_task
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, normalization
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.tasks import optimizers, pipelined_task
 from lingvo_lite.training import options, runner
 
 RTOL, ATOL = 2e-5, 2e-7

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from pipeline_test import make_batch, make_pipeline, mlp_layers
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 from lingvo_lite.pipeline import micro_batch, pipelining_layer
 
 

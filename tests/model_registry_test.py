@@ -8,10 +8,10 @@ import tempfile
 import textwrap
 import unittest
 
-from lingvo_lite import model_registry
+from lingvo_lite.tasks import model_registry
 
 MODEL_MODULE = textwrap.dedent('''
-    from lingvo_lite import base_input_generator, base_task, model_registry
+    from lingvo_lite.tasks import base_input_generator, base_task, model_registry
 
 
     @model_registry.register

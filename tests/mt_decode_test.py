@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import model_registry
+from lingvo_lite.tasks import model_registry
 from lingvo_lite.training import options, runner
 from tasks.mt import input_generator, model, search
 

@@ -14,9 +14,9 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 from tasks.mt import layers
 

@@ -17,10 +17,10 @@ import pytest
 import tensorflow as tf
 from mt_buckets_test import _params, data_dir  # noqa: F401  (the corpus fixture)
 
-from lingvo_lite import fprop_context
 from lingvo_lite.analysis import memory_model
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 from lingvo_lite.training import options, runner
 from tasks.mt import layers, packing

@@ -13,9 +13,10 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, model_registry
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import normalization, structural
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry
 
 try:  # Under pytest, tests/ is on sys.path; trainer.py imports this module as tests.*.
     import reliability_models

@@ -1,4 +1,4 @@
-"""Tests for lingvo_lite.nested_map.NestedMap (expected values are written out by hand)."""
+"""Tests for lingvo_lite.core.nested_map.NestedMap (expected values are written out by hand)."""
 
 import collections
 import copy
@@ -7,7 +7,7 @@ import pickle
 import pytest
 import tensorflow as tf
 
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
 
 
 def _sample() -> NestedMap:

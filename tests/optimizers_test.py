@@ -16,7 +16,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 from conftest import REPO
 
-from lingvo_lite import optimizers
+from lingvo_lite.tasks import optimizers
 
 STEPS = 5
 
@@ -53,7 +53,7 @@ import json, os, sys
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)
-from lingvo_lite import optimizers
+from lingvo_lite.tasks import optimizers
 
 out = {}
 for name, params in [("sgd", optimizers.SGD.Params()),

@@ -1,4 +1,5 @@
-"""Tests for lingvo_lite.pipeline.partition against brute force and hand-computed cases."""
+"""Tests for lingvo_lite.pipeline.partition.partition against brute force and hand-computed
+cases."""
 
 import itertools
 import math
@@ -7,7 +8,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from lingvo_lite.pipeline import partition
+from lingvo_lite.pipeline.partition import partition
 
 
 def _compositions(num_layers, num_cells):

@@ -11,9 +11,9 @@ import pipeline_test as pt
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite.core import base_layer, fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, structural
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
 

@@ -26,9 +26,9 @@ import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, dense, dropout, losses, normalization, structural
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
 BATCH = 32

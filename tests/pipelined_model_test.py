@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 from lingvo_lite.keras import PipelinedModel, keras_layer
 
 N, D, CLASSES = 8, 6, 4

@@ -6,10 +6,11 @@ import graph_structure
 import tensorflow as tf
 from pipeline_test import make_batch, make_pipeline, mlp_layers
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 from lingvo_lite.distributed import placement
 from lingvo_lite.layers import dense
-from lingvo_lite.pipeline import layer_profile, pipelining_layer
+from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.pipeline.partition import layer_profile
 
 
 class PlacementTest(tf.test.TestCase):

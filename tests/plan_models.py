@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, model_registry, optimizers
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import dense, structural
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry, optimizers
 
 try:  # In the test process: the module the other tests import (one registration, one class).
     import testdata_models

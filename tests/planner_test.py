@@ -10,9 +10,10 @@ import re
 import memory_model_test
 import pytest
 
-from lingvo_lite.analysis import simulator
-from lingvo_lite.pipeline import schedule
-from lingvo_lite.training import model_config, options, planner, runner, sizes
+from lingvo_lite.analysis import planner, simulator
+from lingvo_lite.core import sizes
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.training import model_config, options, plan_mode, runner
 
 MODEL = "tests.plan_models.PlanMlp"
 
@@ -117,7 +118,7 @@ def test_interleaved_plans_put_v_cells_on_each_device():
     assert bubble("interleaved", 2) < bubble("1f1b", 1)
     # Its printed flags build a pipeline of that many cells, v per device.
     plan = interleaved[0]
-    flags = planner.plan_flags(plan, MODEL, path)
+    flags = plan_mode.plan_flags(plan, MODEL, path)
     assert f"--num_cells={plan.num_cells} " in flags
     override = flags.split('--model_params_override="')[1].rstrip('"')
     built = model_config.build_model_config(options.RunOptions(
@@ -147,7 +148,7 @@ def test_zbv_plans_put_two_cells_on_each_device_in_a_v():
         assert [m.cells for m in plan.memory] == [(0, 3), (1, 2)]
     plan = zbv[0]
     assert plan.schedule_label == "zbv"
-    flags = planner.plan_flags(plan, MODEL, path)
+    flags = plan_mode.plan_flags(plan, MODEL, path)
     assert "network.schedule : 'zbv'" in flags and "virtual_stages" not in flags
     assert "zbv" in planner.format_report(dataclasses.replace(result, fitting=(plan,)), MODEL,
                                           path)

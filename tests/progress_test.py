@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from lingvo_lite.progress import ProgressBar
+from lingvo_lite.core.progress import ProgressBar
 
 
 class _Terminal(io.StringIO):

@@ -169,7 +169,7 @@ class ReadmeTest(unittest.TestCase):
         self.assertIn(test_command, ci)
 
     def test_main_command_names_a_registered_model(self):
-        from lingvo_lite import model_registry
+        from lingvo_lite.tasks import model_registry
 
         main_command, _ = readme_commands()
         model = re.search(r"--model=(\S+)", main_command).group(1)
@@ -198,7 +198,7 @@ class ReadmeTest(unittest.TestCase):
                                     msg=f"{program} is not installed: {command}")
 
     def test_every_command_names_existing_flags_scripts_and_models(self):
-        from lingvo_lite import model_registry
+        from lingvo_lite.tasks import model_registry
 
         trainer_flags = _trainer_flags()
         models = set(model_registry.list_models())

@@ -454,13 +454,14 @@ class SteadyStateTest(tf.test.TestCase):
             model=NOISY, logdir=os.path.join(root, "run"), max_steps=1000,
             model_params_override=_train_overrides(
                 summary_interval_steps=50, log_interval_steps=100, save_interval_steps=250))
-        from lingvo_lite.training import analysis, model_config
+        from lingvo_lite.analysis import model_analysis
+        from lingvo_lite.training import model_config
 
         config = model_config.build_model_config(config_options)
         trainer = loop.Trainer.build(
             task_params=config.task_params, logdir=config_options.abs_logdir,
             params_text=config.task_params.ToText(),
-            analysis_text=analysis.describe_model(config.name, config.task_params),
+            analysis_text=model_analysis.describe_model(config.name, config.task_params),
             out=io.StringIO())
         rss: list[int] = []
         times: list[float] = []

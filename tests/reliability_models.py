@@ -18,9 +18,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, model_registry
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import dropout
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry
 from tasks.image import input_generator as image_input
 
 try:  # Under pytest, tests/ is on sys.path; trainer.py imports this module as tests.*.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import collectives, replica_means
-from lingvo_lite.nested_map import NestedMap
 
 
 class WeightedMeanGradsTest(tf.test.TestCase):

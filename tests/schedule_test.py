@@ -1,9 +1,10 @@
-"""Tests for lingvo_lite.pipeline.schedule, checked by independent replay of the schedules."""
+"""Tests for lingvo_lite.pipeline.schedules.schedule, checked by independent replay of the
+schedules."""
 
 import pytest
 
-from lingvo_lite.pipeline import custom_schedule, schedule
-from lingvo_lite.pipeline.schedule import Action, Phase
+from lingvo_lite.pipeline.schedules import custom_schedule, schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase
 
 F, B = Phase.FORWARD, Phase.BACKWARD
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (3, 5), (4, 8), (5, 3), (8, 16), (4, 2)]

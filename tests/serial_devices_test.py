@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
-from lingvo_lite import base_layer, fprop_context
+from lingvo_lite.core import base_layer, fprop_context
 from lingvo_lite.layers import composite, structural
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.

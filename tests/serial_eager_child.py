@@ -16,7 +16,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lingvo_lite import devices  # noqa: E402
+from lingvo_lite.core import devices  # noqa: E402
 
 devices.configure_logical_cpus(8, inter_op_threads=int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import pipeline_test as pt  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from lingvo_lite import fprop_context  # noqa: E402
+from lingvo_lite.core import fprop_context  # noqa: E402
 
 
 def _rel(want, got) -> float:

@@ -16,7 +16,7 @@ import shared_processors  # noqa: E402
 from shared_processors import CoRunSlowdown  # noqa: E402
 
 from lingvo_lite.analysis import simulator  # noqa: E402
-from lingvo_lite.pipeline import schedule  # noqa: E402
+from lingvo_lite.pipeline.schedules import schedule  # noqa: E402
 
 
 def simulate(sched, costs, processors=None, co_run_slowdown=None, **kwargs):

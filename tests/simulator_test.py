@@ -16,8 +16,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from lingvo_lite.analysis import simulator
-from lingvo_lite.pipeline import partition, schedule
-from lingvo_lite.pipeline.schedule import Action, Phase
+from lingvo_lite.pipeline.partition import partition
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase
 
 
 def flow_shop(stage_times, num_jobs: int) -> float:

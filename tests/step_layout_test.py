@@ -9,9 +9,12 @@ import re
 import tensorflow as tf
 from absl.testing import absltest
 
+from lingvo_lite.analysis import model_analysis
 from lingvo_lite.layers import dense
-from lingvo_lite.pipeline import layer_profile, pipelining_layer, schedule, step_layout
-from lingvo_lite.training import analysis, model_config, profiling
+from lingvo_lite.pipeline import pipelining_layer, step_layout
+from lingvo_lite.pipeline.partition import layer_profile
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.training import model_config, profiling
 
 
 def _params(**kwargs):
@@ -62,7 +65,7 @@ class StepLayoutTest(absltest.TestCase):
         # pipeline (and the layer profile) ran T = 8 / 4 = 2 per replica.
         p = _params(num_cells=2, num_replicas=2, micro_batch_size=4)
         self.assertEqual(2, layer_profile._num_micro_batches(p))  # noqa: SLF001
-        text, _ = analysis.describe_pipeline("pipe", p)
+        text, _ = model_analysis.describe_pipeline("pipe", p)
         predicted = re.findall(r"K=2, T=(\d+), gpipe", text)
         self.assertEqual(["2"], predicted, msg=text)
         self.assertEqual(2, profiling.PipelineDescription.from_task_params(
@@ -72,7 +75,7 @@ class StepLayoutTest(absltest.TestCase):
         # ZB-V, 4 cells on 2 devices per replica, 2 replicas: replica r's device d is
         # r x 2 + d; cell k sits on device (0, 1, 1, 0)[k] of its replica.
         p = _params(num_cells=4, num_replicas=2, schedule="zbv")
-        text, _ = analysis.describe_pipeline("pipe", p)
+        text, _ = model_analysis.describe_pipeline("pipe", p)
         self.assertIn("Mesh: 2 data-parallel replicas x 2 devices of 2 cells each (schedule "
                       "zbv) = 4 devices", text)
         self.assertIn("  replica 0: cell 0 -> device 0, cell 1 -> device 1, cell 2 -> device "

@@ -16,16 +16,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import (
-    base_input_generator,
-    base_layer,
-    fprop_context,
-    hyperparams,
-    model_registry,
-    pipelined_task,
-)
+from lingvo_lite.core import base_layer, fprop_context, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import dense, dropout, losses
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import base_input_generator, model_registry, pipelined_task
 
 INPUT_DIM = 8
 HIDDEN_DIM = 16

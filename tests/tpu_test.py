@@ -30,7 +30,7 @@ import tensorflow as tf
 from conftest import stop_processes
 from pipeline_test import WIDTH, _loss, _proj, input_shapes, make_batch
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 from lingvo_lite.distributed import placement, tpu
 from lingvo_lite.pipeline import pipelining_layer
 

@@ -17,10 +17,11 @@ from absl.testing import parameterized
 from conftest import random_xy_batch, tanh_stack_with_loss
 from trace_readers import cell_orders
 
-from lingvo_lite import fprop_context
 from lingvo_lite.analysis import breakdown_advice, trace_analysis
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import op_names, pipelining_layer, schedule
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.pipeline import op_names, pipelining_layer
+from lingvo_lite.pipeline.schedules import schedule
 
 # Large enough that op time, not per-op overhead or OS jitter, decides the busy times: at
 # 128 x 192 a balanced split sometimes showed an imbalance share of 0.19.

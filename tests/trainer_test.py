@@ -21,8 +21,9 @@ import testdata_models
 from conftest import launch_trainer, stop_processes
 from tensorboard.backend.event_processing import event_accumulator
 
-from lingvo_lite import hyperparams, model_registry
+from lingvo_lite.core import hyperparams
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.tasks import model_registry
 from lingvo_lite.training import loop, model_config, options, runner
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.

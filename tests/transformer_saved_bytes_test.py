@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, layer_memory
+from lingvo_lite.core import base_layer, fprop_context, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import attention, dropout, feedforward, normalization
-from lingvo_lite.nested_map import NestedMap
 from tasks.mt import layers as mt
 
 SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})

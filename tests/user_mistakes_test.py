@@ -16,7 +16,7 @@ import subprocess
 import tensorflow as tf
 from conftest import launch_trainer, random_xy_batch, tanh_stack_with_loss
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 from lingvo_lite.pipeline import pipelining_layer
 from lingvo_lite.training import options, runner
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import model_registry
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import model_registry
 from tasks.image import amoebanet
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.

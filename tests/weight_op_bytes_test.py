@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import attention, conv, dense, feedforward, losses, weight_ops
-from lingvo_lite.nested_map import NestedMap
 
 
 def _recorded_bytes(layer, inputs: list[tf.Tensor]) -> int:

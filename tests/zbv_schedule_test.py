@@ -22,9 +22,9 @@ from pipeline_test import (
     reference_loss_and_grads,
 )
 
-from lingvo_lite import fprop_context
-from lingvo_lite.pipeline import custom_schedule, schedule, zbv_schedule
-from lingvo_lite.pipeline.schedule import Phase
+from lingvo_lite.core import fprop_context
+from lingvo_lite.pipeline.schedules import custom_schedule, schedule, zbv_schedule
+from lingvo_lite.pipeline.schedules.schedule import Phase
 
 
 class ZeroBubbleVStructureTest(parameterized.TestCase):

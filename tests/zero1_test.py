@@ -23,12 +23,13 @@ from conftest import launch_trainer, stop_processes
 from multi_client_helpers import Task, run_to_end, start_cluster
 from pipeline_test import BATCH, IN_DIM, _loss, _proj, input_shapes, make_batch
 
-from lingvo_lite import fprop_context, optimizers, pipelined_task, sharded_optimizer
-from lingvo_lite.analysis import memory_model
+from lingvo_lite.analysis import memory_model, planner
+from lingvo_lite.core import fprop_context
 from lingvo_lite.distributed import collectives
 from lingvo_lite.layers import composite
 from lingvo_lite.pipeline import pipelining_layer
-from lingvo_lite.training import options, planner, runner
+from lingvo_lite.tasks import optimizers, pipelined_task, sharded_optimizer
+from lingvo_lite.training import options, runner
 
 LEARNING_RATE = 0.05
 MOMENTUM = optimizers.SGD.Params().Set(momentum=0.9)

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, REPO)
     sys.path.insert(0, os.path.join(REPO, "tests"))
     # One logical CPU device per cell, before TensorFlow's runtime starts (as conftest.py).
-    importlib.import_module("lingvo_lite.devices").configure_logical_cpus(
+    importlib.import_module("lingvo_lite.core.devices").configure_logical_cpus(
         max(8, args.num_cells))
     families = importlib.import_module("keras_hub_families")
     specs = families.families()

@@ -15,7 +15,7 @@ package; it reads the runtime's schedules and op names.
 Imported on first use, like the names of `lingvo_lite`.
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 _EXPORTS = {
     "simulate": "lingvo_lite.analysis.simulator",

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from lingvo_lite.analysis import trace_analysis
-from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
 __all__ = [
     "advice",

@@ -32,7 +32,7 @@ from matplotlib.patches import Patch
 
 from lingvo_lite.analysis import trace_analysis
 from lingvo_lite.pipeline import op_names
-from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
 __all__ = [
     "device_idle_fraction",

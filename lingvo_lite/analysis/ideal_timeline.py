@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lingvo_lite.analysis import simulator, trace_analysis
-from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
 __all__ = ["mean_busy_ns", "predict_boxes", "predict_from_measured"]
 

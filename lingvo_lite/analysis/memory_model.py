@@ -58,7 +58,8 @@ composite layers combine their children's). How well the model predicts measured
 BENCHMARKS.md figure 9 (`bench/memory_model_check.py`).
 
 >>> from lingvo_lite.analysis import memory_model
->>> from lingvo_lite.pipeline import partition, schedule
+>>> from lingvo_lite.pipeline.partition import partition
+>>> from lingvo_lite.pipeline.schedules import schedule
 >>> layers = [memory_model.LayerMemory(param_bytes=400, trainable_bytes=400, out_bytes=800,
 ...                                    saved_bytes=1600)] * 4
 >>> part = partition.make_partition([f"l{i}" for i in range(4)], [1.0] * 4, 2)
@@ -77,12 +78,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lingvo_lite import layer_memory as memory_records
 from lingvo_lite.analysis import simulator
-from lingvo_lite.pipeline import partition as partition_lib
+from lingvo_lite.core import layer_memory as memory_records
 from lingvo_lite.pipeline import remat as remat_lib
-from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline.schedule import Phase
+from lingvo_lite.pipeline.partition import partition as partition_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules.schedule import Phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +153,9 @@ def layer_memory(metas: Sequence[Any], param_bytes_per_element: int = 4) -> list
 
 
 def optimizer_slots(optimizer_params: Any) -> int:
-    """Weight-sized slots the optimizer keeps per trainable weight (lingvo_lite.optimizers).
+    """Weight-sized slots the optimizer keeps per trainable weight (lingvo_lite.tasks.optimizers).
 
-    >>> from lingvo_lite import optimizers
+    >>> from lingvo_lite.tasks import optimizers
     >>> optimizer_slots(optimizers.Adam.Params()), optimizer_slots(optimizers.RMSProp.Params())
     (2, 2)
     """

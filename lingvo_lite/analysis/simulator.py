@@ -17,7 +17,7 @@ benchmarks' `bench/shared_processors.py` replays logical CPU devices time-sharin
 cores).
 
 >>> from lingvo_lite.analysis import simulator
->>> from lingvo_lite.pipeline import schedule
+>>> from lingvo_lite.pipeline.schedules import schedule
 >>> gpipe = schedule.make_schedule("gpipe", 4, 8)
 >>> costs = simulator.PhaseCosts.uniform(4, forward=1.0, backward=2.0)
 >>> step = simulator.simulate(gpipe, costs, remat="never")
@@ -33,10 +33,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from lingvo_lite.analysis import boxes
-from lingvo_lite.pipeline import partition as partition_lib
 from lingvo_lite.pipeline import remat as remat_lib
-from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.pipeline.schedule import Action, Phase
+from lingvo_lite.pipeline.partition import partition as partition_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase
 
 # Backward time / forward time when nothing better is known: a matmul's input gradient and
 # weight gradient each cost about one forward. The one definition the planner, the

@@ -33,7 +33,8 @@ import re
 from collections.abc import Iterable, Sequence
 
 from lingvo_lite.analysis import boxes
-from lingvo_lite.pipeline import op_names, remat, schedule, tf_private
+from lingvo_lite.pipeline import op_names, remat, tf_private
+from lingvo_lite.pipeline.schedules import schedule
 
 __all__ = [
     "Box",

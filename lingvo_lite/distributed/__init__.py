@@ -15,7 +15,7 @@ True
 Imported on first use, like the names of `lingvo_lite`.
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 _EXPORTS = {
     "Cluster": "lingvo_lite.distributed.cluster_spec",

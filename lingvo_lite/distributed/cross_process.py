@@ -26,11 +26,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import collectives
 from lingvo_lite.distributed.replica_means import WEIGHT_KEYS
 from lingvo_lite.layers.normalization import pool_moments
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["global_scalars", "pool_moments_globally"]
 

@@ -175,7 +175,7 @@ def resolve_devices(placement: str | Sequence[str], num_cells: int,
     kind, _, job = placement.partition(":")
     cpu_fix = (
         "Create logical CPU devices before TensorFlow starts: "
-        "lingvo_lite.devices.configure_logical_cpus(R x K), or trainer.py "
+        "lingvo_lite.core.devices.configure_logical_cpus(R x K), or trainer.py "
         "--num_logical_cpus=R x K."
     )
     if kind == "auto":

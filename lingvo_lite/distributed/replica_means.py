@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import collectives
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["WEIGHT_KEYS", "weighted_mean_grads", "weighted_mean_scalars"]
 

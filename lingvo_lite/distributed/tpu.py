@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite.colocation import (
+from lingvo_lite.core.colocation import (
     colocated,
     current_tpu_strategy,
     logical_core_of,

@@ -9,6 +9,8 @@ model_params/keras_gpt2.py). Importing this package loads Keras and registers
 `PipelinedModel` with Keras' serialization (so `keras.models.load_model` finds it).
 """
 
+# Registers functional models with PipelinedModel (which builds the functional subclass).
+from lingvo_lite.keras import functional  # noqa: F401
 from lingvo_lite.keras.keras_layer import KerasLayer
 from lingvo_lite.keras.keras_loss import KerasLossLayer
 from lingvo_lite.keras.keras_task import KerasTask, functional_network_params

@@ -12,7 +12,7 @@ layers compute per micro-batch, and this is how to see it.
 
 Example:
     >>> import keras, numpy as np
-    >>> from lingvo_lite import devices
+    >>> from lingvo_lite.core import devices
     >>> from lingvo_lite.keras import PipelinedModel
     >>> _ = devices.configure_logical_cpus(2)
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name='first'),

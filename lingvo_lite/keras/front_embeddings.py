@@ -34,9 +34,9 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import graph_layer, keras_layer
 from lingvo_lite.keras.graph_trace import GraphNode, GraphPlan
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["FrontEmbeddings", "check_sparse_gradients", "refuse_summed_embeddings", "split"]
 
@@ -114,7 +114,7 @@ class FrontEmbeddings:
         live = NestedMap(inputs)
         with tf.device(self.device):
             for node, layer in zip(self.nodes, self.layers):
-                call = graph_layer._fill(node.call, live)
+                call = graph_layer.fill_args(node.call, live)
                 out = live[node.outputs[0]] = layer(*call["args"], **call["kwargs"])
                 if node.outputs[0] in self.masked:
                     live[graph_layer.mask_key(node.outputs[0])] = get_keras_mask(out)

@@ -31,7 +31,7 @@ the partition table.
 
 Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
     >>> import keras
-    >>> from lingvo_lite import devices
+    >>> from lingvo_lite.core import devices
     >>> from lingvo_lite.keras import PipelinedModel
     >>> _ = devices.configure_logical_cpus(2)
     >>> inp = keras.Input((8,), name='features')
@@ -56,16 +56,18 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
-from lingvo_lite import fprop_context
-from lingvo_lite.keras import front_embeddings, graph_layer, keras_buckets, keras_layer
-from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
-from lingvo_lite.keras.pipelined_model import (
-    PipelinedModel,
-    _add_weight_penalties,
-    _check_regularizers,
-    _Hidden,
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.keras import (
+    front_embeddings,
+    graph_layer,
+    keras_buckets,
+    keras_layer,
+    weight_penalties,
 )
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
+from lingvo_lite.keras.pipelined_model import PipelinedModel, register_model_kind
+from lingvo_lite.keras.untracked import Untracked
 from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["FunctionalPipelinedModel", "GraphPlan", "cut_report", "functional_pipeline_params",
@@ -128,7 +130,7 @@ def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
         else:
             layer = dict(keras_layer=keras_layer.serialize(node.layer))
         if node.weights_from is None and isinstance(node.layer, keras.layers.Layer):
-            _check_regularizers(node.layer, allow_weight_regularizers=True)
+            weight_penalties.check_regularizers(node.layer, allow_weight_regularizers=True)
             keras_layer.check_supported(node.layer)
             p = graph_layer.GraphNodeLayer.Params().Set(
                 exports={key: _weight_map_key(plan, i, key) for key in exports.get(i, [])},
@@ -212,6 +214,7 @@ def cut_report(pipeline: pipelining_layer.PipeliningLayer, plan: GraphPlan,
     return "\n".join(lines)
 
 
+@register_model_kind(is_functional_model)
 @keras.saving.register_keras_serializable(package="lingvo_lite")
 class FunctionalPipelinedModel(PipelinedModel):
     """`PipelinedModel` of a functional Keras model (see the module doc); made by
@@ -242,7 +245,7 @@ class FunctionalPipelinedModel(PipelinedModel):
                 keras_buckets.largest(declared))
             cost_batch_size = next(iter(keras_buckets.largest(declared).values()))[0]
         self.plain = model
-        self._hidden = _Hidden(batch_size=None, compiled=None, deferred=None, buckets=declared,
+        self._hidden = Untracked(batch_size=None, compiled=None, deferred=None, buckets=declared,
                                input_names=names)
         # Shapes from the first batch only where the model's inputs leave some unknown;
         # () builds now for the model's own static shapes.
@@ -418,8 +421,8 @@ class FunctionalPipelinedModel(PipelinedModel):
         gradients = [flat[i] if i is not None else front_grads[id(v.value)]
                      for i, v in zip(self._hidden.grad_index, self.plain.trainable_variables)]
         loss = out.loss / inputs.loss_scale
-        loss = _add_weight_penalties(self.plain.trainable_variables, gradients, loss,
-                                     inputs.loss_scale)
+        loss = weight_penalties.add_weight_penalties(self.plain.trainable_variables, gradients,
+                                                     loss, inputs.loss_scale)
         return (loss, gradients, self._to_keras(out.predictions, out.get("predictions_mask")),
                 collector)
 

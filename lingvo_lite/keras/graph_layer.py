@@ -44,10 +44,10 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.common.masking import set_keras_mask
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory
+from lingvo_lite.core import base_layer, fprop_context, hyperparams, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import keras_flops, keras_layer
 from lingvo_lite.keras.graph_loss import GraphLossLayer
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["CONSTANT_REF", "GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer",
            "SharedNodeLayer", "SLICE_REF", "TENSOR_REF", "mask_key"]
@@ -65,7 +65,7 @@ def mask_key(key: str) -> str:
     return key + "__mask"
 
 
-def _fill(template: Any, live: NestedMap) -> Any:
+def fill_args(template: Any, live: NestedMap) -> Any:
     """The node's call arguments with each tensor reference replaced by its value."""
     if isinstance(template, dict):
         if set(template) == {TENSOR_REF}:
@@ -74,9 +74,9 @@ def _fill(template: Any, live: NestedMap) -> Any:
             return slice(*template[SLICE_REF])
         if set(template) == {CONSTANT_REF}:
             return tf.constant(template[CONSTANT_REF]["value"], template[CONSTANT_REF]["dtype"])
-        return {k: _fill(v, live) for k, v in template.items()}
+        return {k: fill_args(v, live) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
-        return type(template)(_fill(v, live) for v in template)
+        return type(template)(fill_args(v, live) for v in template)
     return template
 
 
@@ -110,7 +110,7 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
     non-trainable weights the call changed."""
     for key in p.masks_in:  # Masks cross cuts beside their tensors, as map entries.
         set_keras_mask(live[key], live[mask_key(key)])
-    call = _fill(p.call, live)
+    call = fill_args(p.call, live)
     args, kwargs = list(call["args"]), dict(call["kwargs"])
     if not isinstance(layer, keras.layers.Layer):
         return tree.flatten(layer(*args, **kwargs)), []
@@ -201,7 +201,7 @@ def _measured_flops(layer: Any, call: Any, specs: dict, batch: int) -> float:
     tensor_specs = [tf.TensorSpec([batch, *specs[k][0]], specs[k][1]) for k in keys]
 
     def run(*xs: tf.Tensor) -> Any:
-        filled = _fill(call, dict(zip(keys, xs)))
+        filled = fill_args(call, dict(zip(keys, xs)))
         return layer(*filled["args"], **filled["kwargs"])
 
     try:
@@ -228,7 +228,8 @@ def _build(config: Any, call: Any, specs: dict) -> Any:
     """A fresh Keras layer (or op) from its config, built for the node's input specs."""
     layer = keras_layer.deserialize(config)
     if isinstance(layer, keras.layers.Layer) and not layer.built:
-        filled = _fill(call, {k: keras.KerasTensor([None, *s], d) for k, (s, d) in specs.items()})
+        symbolic = {k: keras.KerasTensor([None, *s], d) for k, (s, d) in specs.items()}
+        filled = fill_args(call, symbolic)
         layer(*filled["args"], **filled["kwargs"])
     return layer
 
@@ -267,14 +268,14 @@ class GraphNodeLayer(keras_layer.KerasLayer):
         ctx = fprop_context.current()
         trainable = [theta[k] for k in self._trainable_keys]
         non_trainable = [theta[k] for k in self._non_trainable_keys]
-        with keras_layer._Recording(keras_layer._Recorder(ctx)) as rec, \
+        with keras_layer.Recording(keras_layer.Recorder(ctx)) as rec, \
                 keras_layer.refusing_raw_random(self._layer,
                                                 check=ctx.training and self._check_random()):
             outputs, changed = _call_node(self._layer, p, inputs, trainable, non_trainable,
                                           ctx.training)
         for key, was_changed in zip(self._non_trainable_keys, changed):
             if was_changed and key not in self._handled:
-                raise ValueError(keras_layer._state_error(self._layer, key))
+                raise ValueError(keras_layer.state_error(self._layer, key))
         if ctx.training and ctx.updates is not None and (self._batch_norms or self._random):
             moments = NestedMap({f"bn_{j}": rec.moments[id(bn)]
                                  for j, (bn, _, _) in enumerate(self._batch_norms)

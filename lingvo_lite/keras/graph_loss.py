@@ -10,7 +10,7 @@ the whole batch). Several outputs' losses are summed, as `Model.compile` does.
 
 Example:
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.core.nested_map import NestedMap
     >>> layer = GraphLossLayer.Params().Set(name='loss', loss='mse').Instantiate()
     >>> out = layer.FProp(layer.theta, NestedMap(x=tf.ones([2, 1]), y=tf.zeros([2, 1])))
     >>> float(out.loss)
@@ -24,9 +24,9 @@ from typing import Any
 import tensorflow as tf
 from keras.src import tree
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import keras_loss
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphLossLayer", "check_losses"]
 

@@ -32,8 +32,8 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.models.functional import Functional
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import graph_layer, keras_layer
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GraphNode", "GraphPlan", "is_functional_model", "trace_model"]
 
@@ -263,7 +263,7 @@ def _infer_static_specs(plan: GraphPlan) -> None:
     values = {k: keras.KerasTensor((None, *plan.specs[k][0]), dtype=plan.specs[k][1])
               for k in plan.input_keys}
     for node in plan.nodes:
-        call = graph_layer._fill(node.call, values)
+        call = graph_layer.fill_args(node.call, values)
         out = node.layer.compute_output_spec(*call["args"], **call["kwargs"])
         for key, tensor in zip(node.outputs, tree.flatten(out)):
             values[key] = tensor

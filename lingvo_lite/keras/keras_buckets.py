@@ -26,8 +26,8 @@ from typing import Any
 import tensorflow as tf
 from keras.src import tree
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import graph_layer
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import buckets as pipeline_buckets
 
 __all__ = ["BucketedTrainFunction", "check_batch", "describe", "example_shapes", "largest",

@@ -55,10 +55,10 @@ import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
+from lingvo_lite.core import base_layer, fprop_context, hyperparams, layer_memory, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import keras_flops, keras_random, layer_config
 from lingvo_lite.layers.normalization import pool_moments
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = [
     "added_loss_error",
@@ -266,7 +266,7 @@ def check_call_state(layer: keras.layers.Layer, input_shape: Any,
         raise ValueError(added_loss_error(layer))
     for v, old, value in zip(layer.non_trainable_variables, non_trainable, new):
         if value is not old and id(v) not in handled:
-            raise ValueError(_state_error(layer, v.path))
+            raise ValueError(state_error(layer, v.path))
 
 
 def _may_draw(layer: keras.layers.Layer) -> bool:
@@ -357,14 +357,14 @@ def added_loss_error(layer: keras.layers.Layer) -> str:
             "compute that term in compile(loss=...) or remove it.")
 
 
-def _state_error(layer: keras.layers.Layer, what: str) -> str:
+def state_error(layer: keras.layers.Layer, what: str) -> str:
     return (f"Keras layer '{layer.name}' ({type(layer).__name__}) changes its non-trainable "
             f"weight '{what}' in its call; lingvo-lite cannot make such state exact under "
             "micro-batching and recomputation, so it refuses the layer: keep it out of the "
             "pipeline.")
 
 
-class _Recorder:
+class Recorder:
     """What the patched Keras layers see and report during one FProp."""
 
     def __init__(self, ctx: fprop_context.FPropContext) -> None:
@@ -372,16 +372,16 @@ class _Recorder:
         self.moments: dict[int, NestedMap] = {}
 
 
-def _recorder() -> _Recorder | None:
+def _recorder() -> Recorder | None:
     stack = getattr(_local, "stack", None)
     return stack[-1] if stack else None
 
 
-class _Recording:
-    def __init__(self, recorder: _Recorder) -> None:
+class Recording:
+    def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
 
-    def __enter__(self) -> _Recorder:
+    def __enter__(self) -> Recorder:
         if not hasattr(_local, "stack"):
             _local.stack = []
         _local.stack.append(self._recorder)
@@ -659,7 +659,7 @@ class KerasLayer(base_layer.BaseLayer):
         non_trainable = [theta[k] for k in self._non_trainable_keys]
         kwargs = {"training": ctx.training} if getattr(
             self._layer, "_call_has_training_arg", True) else {}
-        with _Recording(_Recorder(ctx)) as rec, refusing_raw_random(
+        with Recording(Recorder(ctx)) as rec, refusing_raw_random(
                 self._layer, check=ctx.training and self._check_random()):
             y, new_non_trainable, losses = stateless_call(
                 self._layer, trainable, non_trainable, x, mask, kwargs)
@@ -667,7 +667,7 @@ class KerasLayer(base_layer.BaseLayer):
             raise ValueError(added_loss_error(self._layer))
         for key, old, new in zip(self._non_trainable_keys, non_trainable, new_non_trainable):
             if new is not old and key not in self._handled:
-                raise ValueError(_state_error(self._layer, key))
+                raise ValueError(state_error(self._layer, key))
         if not tf.is_tensor(y):
             raise ValueError(
                 f"Keras layer '{self._layer.name}' at {self.path} returns "

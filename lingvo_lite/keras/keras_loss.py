@@ -27,7 +27,7 @@ labels (inference) only the predictions.
 
 Example:
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.core.nested_map import NestedMap
     >>> p = KerasLossLayer.Params().Set(name='loss', loss='sparse_categorical_crossentropy')
     >>> layer = p.Instantiate()
     >>> out = layer.FProp(layer.theta, NestedMap(x=tf.fill([2, 3], 1 / 3), y=tf.zeros([2])))
@@ -46,8 +46,8 @@ from keras.src.backend.common.masking import set_keras_mask
 from keras.src.losses import LossFunctionWrapper  # What compile() wraps loss functions in.
 from keras.src.losses.loss import apply_mask
 
-from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 
 __all__ = ["KerasLossLayer", "check_reduction", "make_loss", "micro_batch_loss", "reduction_of",
            "serialize_loss", "sparse_accuracy", "SUPPORTED_REDUCTIONS"]

@@ -31,9 +31,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, inference, pipelined_task
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.keras import keras_loss
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import inference, pipelined_task
 
 __all__ = ["KerasTask", "functional_network_params"]
 
@@ -81,14 +82,14 @@ def functional_network_params(build_model: Callable[[], keras.Model] | keras.Mod
     other `PipeliningLayer.Params()` fields (num_micro_batches, remat, schedule, ...).
     Weight and activity regularizers are refused (the task would drop their penalties).
     """
-    from lingvo_lite.keras import functional, pipelined_model
+    from lingvo_lite.keras import functional, pipelined_model, weight_penalties
 
     with tf.Graph().as_default():
         model = build_model() if not isinstance(build_model, keras.Model) else build_model
         plan = functional.trace_model(model, input_shape)
         for node in plan.nodes:
             if isinstance(node.layer, keras.layers.Layer):
-                pipelined_model._check_regularizers(node.layer, allow_weight_regularizers=False)
+                weight_penalties.check_regularizers(node.layer, allow_weight_regularizers=False)
         p = functional.functional_pipeline_params(model, num_cells=num_cells,
                                                   cost_batch_size=cost_batch_size, name=name,
                                                   plan=plan, **pipeline)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import process_group
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["local_part", "num_micro_batches", "pipelined_grads"]

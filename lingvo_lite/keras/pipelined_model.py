@@ -47,7 +47,7 @@ few shapes (length buckets from `bucket_by_sequence_length`) train with
 (keras_buckets.py). Evaluation and prediction take any batch.
 
 Example (2 logical CPUs stand in for 2 accelerators; configure them before any TF op):
-    >>> from lingvo_lite import devices
+    >>> from lingvo_lite.core import devices
     >>> _ = devices.configure_logical_cpus(2)
     >>> model = PipelinedModel(
     ...     [keras.layers.Dense(32, activation='relu'), keras.layers.Dropout(0.1),
@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import h5py
@@ -72,36 +72,37 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import process_group
-from lingvo_lite.keras import front_embeddings, keras_buckets, keras_layer, keras_loss, multi_worker
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.keras import (
+    front_embeddings,
+    keras_buckets,
+    keras_layer,
+    keras_loss,
+    multi_worker,
+    weight_penalties,
+)
+from lingvo_lite.keras.untracked import Untracked
 from lingvo_lite.pipeline import buckets as pipeline_buckets
 from lingvo_lite.pipeline import pipelining_layer
 
 __all__ = ["pipeline_params", "PipelinedModel"]
 
 
-class _Hidden:
-    """Holds objects Keras must not track (their variables are tracked elsewhere)."""
+# Other kinds of model PipelinedModel takes, registered by the modules that pipeline them
+# (functional.py: a functional keras.Model), which `lingvo_lite.keras` imports: (does it take
+# `layers`, the subclass that does).
+_MODEL_KINDS: list[tuple[Callable[[Any], bool], type]] = []
 
-    def __init__(self, **items: Any) -> None:
-        self.__dict__.update(items)
 
-
-def _check_regularizers(layer: keras.layers.Layer, allow_weight_regularizers: bool) -> None:
-    for sub in layer._flatten_layers(include_self=True, recursive=True):
-        names = [k for k, v in vars(sub).items() if k.endswith("regularizer") and v is not None
-                 and (not allow_weight_regularizers or "activity" in k)]
-        if not names:
-            continue
-        if any("activity" in n for n in names):
-            why = ("its penalty depends on the activations of the whole batch and is not "
-                   "added to the pipelined loss; remove it")
-        else:
-            why = ("only PipelinedModel adds weight penalties to the loss; remove it (with "
-                   "trainer.py use train.l2_regularizer_weight)")
-        raise ValueError(f"Keras layer '{sub.name}' has {', '.join(sorted(names))}: {why}.")
+def register_model_kind(takes: Callable[[Any], bool]) -> Callable[[type], type]:
+    """Class decorator: `PipelinedModel(layers)` builds the decorated subclass when
+    `takes(layers)`."""
+    def register(cls: type) -> type:
+        _MODEL_KINDS.append((takes, cls))
+        return cls
+    return register
 
 
 def _keras_layer_params(layers: Any, input_shape: Sequence[int],
@@ -110,7 +111,7 @@ def _keras_layer_params(layers: Any, input_shape: Sequence[int],
     layer_params = []
     spec = keras.KerasTensor((None, *input_shape))
     for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
-        _check_regularizers(layer, allow_weight_regularizers)
+        weight_penalties.check_regularizers(layer, allow_weight_regularizers)
         keras_layer.check_supported(layer)
         config = keras_layer.serialize(layer)
         shape = list(spec.shape[1:])
@@ -131,7 +132,7 @@ def _live_layer_params(layers: Any, input_shape: Sequence[int]) -> list[Any]:
     spec = keras.KerasTensor((None, *input_shape))
     owner: dict[int, keras.layers.Layer] = {}
     for i, layer in enumerate(keras_layer.iter_keras_layers(layers)):
-        _check_regularizers(layer, allow_weight_regularizers=True)
+        weight_penalties.check_regularizers(layer, allow_weight_regularizers=True)
         keras_layer.check_supported(layer)
         _refuse_shared_weights(layer, owner)
         shape, dtype = list(spec.shape[1:]), spec.dtype
@@ -243,11 +244,8 @@ class PipelinedModel(keras.Model):
     """
 
     def __new__(cls, layers: Any = None, *args: Any, **kwargs: Any) -> PipelinedModel:
-        # A functional keras.Model is cut between its graph nodes (keras/functional.py).
-        from lingvo_lite.keras import functional
-
-        if cls is PipelinedModel and functional.is_functional_model(layers):
-            cls = functional.FunctionalPipelinedModel
+        if cls is PipelinedModel:
+            cls = next((kind for takes, kind in _MODEL_KINDS if takes(layers)), cls)
         return super().__new__(cls, layers, *args, **kwargs)
 
     def __init__(self, layers: Any, input_shape: Sequence[int] | None = None,
@@ -276,7 +274,7 @@ class PipelinedModel(keras.Model):
             partition_method=partition_method, split_points=split_points,
             serial_devices=serial_devices, cost_batch_size=cost_batch_size,
             input_buckets=declared and [list(b["x"]) for b in declared])
-        self._hidden = _Hidden(batch_size=None, compiled=None, deferred=None, sources=sources)
+        self._hidden = Untracked(batch_size=None, compiled=None, deferred=None, sources=sources)
         self._build_when_shaped(input_shape, lambda shape: self._build(sources, declared, shape))
 
     def _build(self, sources: list[keras.layers.Layer], declared: Any,
@@ -552,8 +550,8 @@ class PipelinedModel(keras.Model):
         gradients = [flat[i] if i is not None else next(front_grads)
                      for i in self._hidden.grad_index]
         loss = out.loss / inputs.loss_scale
-        loss = _add_weight_penalties(self.plain.trainable_variables, gradients, loss,
-                                     inputs.loss_scale)
+        loss = weight_penalties.add_weight_penalties(self.plain.trainable_variables, gradients,
+                                                     loss, inputs.loss_scale)
         predictions = _with_mask(out.predictions, out.get("predictions_mask"))
         return loss, gradients, predictions, collector
 
@@ -751,22 +749,6 @@ def _with_mask(predictions: tf.Tensor, mask: Any) -> tf.Tensor:
         predictions = tf.identity(predictions)
         set_keras_mask(predictions, mask)
     return predictions
-
-
-def _add_weight_penalties(variables: Sequence[Any], gradients: list[Any], loss: Any,
-                          loss_scale: Any) -> Any:
-    """Adds each weight regularizer's penalty to `loss` and its gradient to `gradients[i]`
-    (in place; penalties are functions of the weights alone, computed on their devices);
-    returns the loss. `loss_scale` is mixed float16's scale, 1 otherwise."""
-    for i, v in enumerate(variables):
-        if v.regularizer is not None:
-            with tf.device(v.value.device), tf.GradientTape() as tape:
-                penalty = tf.cast(v.regularizer(v), loss.dtype)
-                scaled = penalty * loss_scale
-            gradients[i] = gradients[i] + tf.cast(tape.gradient(scaled, v.value),
-                                                  gradients[i].dtype)
-            loss = loss + penalty
-    return loss
 
 
 def _input_shape_of(layers: Any) -> tuple[int, ...] | None:

@@ -10,7 +10,7 @@ Imported on first use; the modules (`layers.dense`, `layers.structural`, ...) ca
 directly too.
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 _EXPORTS = {
     "ProjectionLayer": "lingvo_lite.layers.dense",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lingvo_lite import base_layer, hyperparams, layer_memory
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import base_layer, hyperparams, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 
 
 def _as_args(value: Any) -> tuple:

@@ -13,9 +13,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
+from lingvo_lite.core import base_layer, hyperparams, layer_memory, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import activations, composite, weight_ops
-from lingvo_lite.nested_map import NestedMap
 
 _PADDINGS = ("SAME", "VALID")
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, layer_memory
+from lingvo_lite.core import base_layer, hyperparams, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, dense, dropout, normalization
-from lingvo_lite.nested_map import NestedMap
 
 
 class FeedForwardLayer(base_layer.BaseLayer):

@@ -6,10 +6,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, layer_memory, weight_params
+from lingvo_lite.core import base_layer, hyperparams, layer_memory, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import weight_ops
 from lingvo_lite.layers.normalization import check_input_shape
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["SoftmaxCrossEntropyLayer", "xent_with_label_smoothing"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, layer_memory, weight_params
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import base_layer, fprop_context, hyperparams, layer_memory, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 
 __all__ = ["BatchNormLayer", "check_input_shape", "LayerNorm", "pool_moments"]
 

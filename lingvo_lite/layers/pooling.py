@@ -6,9 +6,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import conv
-from lingvo_lite.nested_map import NestedMap
 
 __all__ = ["GlobalPoolingLayer", "PoolingLayer"]
 

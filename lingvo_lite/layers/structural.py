@@ -11,8 +11,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, layer_memory
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import base_layer, hyperparams, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 
 __all__ = ["FieldLayer", "FieldsLayer", "IdentityLayer", "shapes_of"]
 

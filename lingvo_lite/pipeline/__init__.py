@@ -14,16 +14,16 @@ device 1: F0 F1 F2 B2 B1 B0
 Imported on first use, like the names of `lingvo_lite`.
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 _EXPORTS = {
     "PipeliningLayer": "lingvo_lite.pipeline.pipelining_layer",
-    "Schedule": "lingvo_lite.pipeline.schedule",
-    "SCHEDULES": "lingvo_lite.pipeline.schedule",
-    "make_schedule": "lingvo_lite.pipeline.schedule",
-    "CustomSchedule": "lingvo_lite.pipeline.custom_schedule",
-    "parse_orders": "lingvo_lite.pipeline.custom_schedule",
-    "Partition": "lingvo_lite.pipeline.partition",
+    "Schedule": "lingvo_lite.pipeline.schedules.schedule",
+    "SCHEDULES": "lingvo_lite.pipeline.schedules.schedule",
+    "make_schedule": "lingvo_lite.pipeline.schedules.schedule",
+    "CustomSchedule": "lingvo_lite.pipeline.schedules.custom_schedule",
+    "parse_orders": "lingvo_lite.pipeline.schedules.custom_schedule",
+    "Partition": "lingvo_lite.pipeline.partition.partition",
 }
 
 __all__ = list(_EXPORTS)

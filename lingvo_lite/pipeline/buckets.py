@@ -9,7 +9,7 @@ chosen once, for `input_shapes` or, when that is unset, for the largest bucket.
 
 Example:
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.core.nested_map import NestedMap
     >>> buckets = normalize([NestedMap(x=[8, 32]), NestedMap(x=[4, 64])])
     >>> largest(buckets).x
     TensorShape([4, 64])
@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
 
 __all__ = ["describe", "largest", "matching", "normalize", "planning_shapes", "shapes_of"]
 

@@ -21,7 +21,7 @@ With `traced=False` (a TPUStrategy step, which XLA compiles whole) the same bodi
 
 Example:
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.core.nested_map import NestedMap
     >>> fns = CellFunctions(0, lambda theta, x: x * theta.w)
     >>> theta = NestedMap(w=tf.constant(3.0))
     >>> x, seed = fns.prepare(tf.constant([1.0, 2.0])), fns.prepare(tf.constant(0))
@@ -40,9 +40,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import weight_ops
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import op_names, tf_private
 
 CellBody = Callable[[NestedMap, Any], Any]

@@ -24,8 +24,9 @@ overlap. All state of a step is explicit in `StepState`. Names follow `op_names`
 
 Example (two cells on the default device, two micro-batches):
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
-    >>> from lingvo_lite.pipeline import cell_functions, schedule
+    >>> from lingvo_lite.core.nested_map import NestedMap
+    >>> from lingvo_lite.pipeline import cell_functions
+    >>> from lingvo_lite.pipeline.schedules import schedule
     >>> fns = [cell_functions.CellFunctions(k, lambda th, x: x * th.w) for k in range(2)]
     >>> run = Executor(fns, lambda k: tf.name_scope(""))
     >>> thetas = [NestedMap(w=tf.constant(2.0)), NestedMap(w=tf.constant(5.0))]
@@ -44,9 +45,9 @@ from typing import Any, ContextManager
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import weight_ops
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import op_names, tf_private
 from lingvo_lite.pipeline.cell_functions import (
     CallInput,
@@ -57,7 +58,7 @@ from lingvo_lite.pipeline.cell_functions import (
     is_trainable,
     pack,
 )
-from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase, Schedule
 
 Key = tuple[int, int]  # (cell, micro_batch)
 

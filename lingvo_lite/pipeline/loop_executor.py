@@ -29,8 +29,9 @@ remat='always'. Gradients are those of the unrolled executor.
 
 Example (two cells on the default device, four micro-batches):
     >>> import tensorflow as tf
-    >>> from lingvo_lite.nested_map import NestedMap
-    >>> from lingvo_lite.pipeline import cell_functions, schedule
+    >>> from lingvo_lite.core.nested_map import NestedMap
+    >>> from lingvo_lite.pipeline import cell_functions
+    >>> from lingvo_lite.pipeline.schedules import schedule
     >>> fns = [cell_functions.CellFunctions(k, lambda th, x: x * th.w) for k in range(2)]
     >>> run = LoopExecutor(fns, lambda k: tf.name_scope(""))
     >>> thetas = [NestedMap(w=tf.constant(2.0)), NestedMap(w=tf.constant(5.0))]
@@ -49,8 +50,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.pipeline import op_names, tf_private
 from lingvo_lite.pipeline.cell_functions import (
     CallInput,
@@ -61,7 +62,8 @@ from lingvo_lite.pipeline.cell_functions import (
     unpack_gradients,
 )
 from lingvo_lite.pipeline.executor import Executor, Key, TrainResult, report_statistics
-from lingvo_lite.pipeline.schedule import Schedule
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.pipeline.schedules.schedule import Schedule
 
 __all__ = ["LoopExecutor", "check_loop_supported"]
 
@@ -69,15 +71,16 @@ __all__ = ["LoopExecutor", "check_loop_supported"]
 # loop carries one tensor instead of one per bias or scale (each loop variable costs a few
 # control-flow ops per iteration; at 128 layers, K=8, they took as long as the cells' work).
 PACK_MAX_ELEMENTS = 1 << 16
-LOOP_SCHEDULE = "gpipe"
 LOOP_REMAT = "always"
 
 
 def check_loop_supported(schedule_name: str, remat_mode: str, weight_gradients: str) -> None:
     """Raises a ValueError naming the parameter to change if the loop cannot run this setup."""
-    if schedule_name != LOOP_SCHEDULE:
-        raise ValueError(f"micro_batch_loop=True runs schedule='{LOOP_SCHEDULE}' only, got "
-                         f"schedule={schedule_name!r}; set schedule='{LOOP_SCHEDULE}' or "
+    loop_schedules = schedule.micro_batch_loop_schedules()
+    if schedule_name not in loop_schedules:
+        names = ", ".join(f"'{name}'" for name in loop_schedules)
+        raise ValueError(f"micro_batch_loop=True runs schedule={names} only, got "
+                         f"schedule={schedule_name!r}; set schedule={names} or "
                          "micro_batch_loop=False.")
     if remat_mode != LOOP_REMAT:
         raise ValueError(f"micro_batch_loop=True re-computes every forward (remat='{LOOP_REMAT}'),"
@@ -101,8 +104,9 @@ def packed_leaves(sources: Sequence[Any]) -> tuple[int, ...]:
 
 
 def _check_schedule(sched: Schedule) -> None:
-    if sched.name != LOOP_SCHEDULE or sched.num_devices != sched.num_cells:
-        raise ValueError(f"LoopExecutor runs the '{LOOP_SCHEDULE}' schedule, got {sched.name!r}.")
+    if not sched.runs_in_micro_batch_loop or sched.num_devices != sched.num_cells:
+        raise ValueError(f"LoopExecutor runs {schedule.micro_batch_loop_schedules()} with one "
+                         f"cell per device, got {sched.name!r}.")
 
 
 def _present(flat: Sequence[Any]) -> tuple[bool, ...]:

@@ -6,8 +6,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import replica_means
-from lingvo_lite.nested_map import NestedMap
 
 __all__: list[str] = []
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from lingvo_lite.pipeline.schedule import Phase, Schedule
+from lingvo_lite.pipeline.schedules.schedule import Phase, Schedule
 
 __all__: list[str] = []
 

@@ -25,12 +25,13 @@ inter-op thread pool.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ContextManager
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, hyperparams
+from lingvo_lite.core import base_layer, fprop_context, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import (
     collectives,
     cross_process,
@@ -40,20 +41,12 @@ from lingvo_lite.distributed import (
     tpu,
 )
 from lingvo_lite.layers import composite
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import (
-    buckets,
-    executor,
-    loop_executor,
-    micro_batch,
-    partition,
-    remat,
-    schedule,
-    step_layout,
-)
+from lingvo_lite.pipeline import buckets, executor, loop_executor, micro_batch, remat, step_layout
 from lingvo_lite.pipeline.cell_functions import CellFunctions, flatten, is_trainable, pack
+from lingvo_lite.pipeline.partition import partition
+from lingvo_lite.pipeline.schedules import schedule
 
-__all__ = ["PARTITION_COSTS", "PipeliningLayer"]
+__all__ = ["PARTITION_COSTS", "PipeliningLayer", "iter_pipelining_params"]
 
 REMAT_MODES = remat.REMAT_MODES
 PARTITION_COSTS = ("flops", "param_bytes", "activation_bytes", "measured")
@@ -74,11 +67,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     devices standing in for accelerators, 4 micro-batches.
 
     >>> import tensorflow as tf
-    >>> from lingvo_lite import devices
+    >>> from lingvo_lite.core import devices
     >>> _ = devices.configure_logical_cpus(2)   # before any TF op
-    >>> from lingvo_lite import fprop_context
+    >>> from lingvo_lite.core import fprop_context
     >>> from lingvo_lite.layers import dense, losses, structural
-    >>> from lingvo_lite.nested_map import NestedMap
+    >>> from lingvo_lite.core.nested_map import NestedMap
     >>> from lingvo_lite.pipeline import pipelining_layer
     >>> def proj(name, i, o):                   # a tensor layer applied to the boundary map's 'x'
     ...     return structural.FieldLayer.Params().Set(
@@ -356,7 +349,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                 metas = cls.LayerMetas(p)
             cost_name = p.partition_cost
             if cost_name == "measured":
-                from lingvo_lite.pipeline import layer_profile  # Imports this module.
+                from lingvo_lite.pipeline.partition import layer_profile  # Imports this module.
 
                 costs = layer_profile.measured_costs(p)
                 cost_name = "measured seconds"
@@ -807,3 +800,22 @@ class PipeliningLayer(base_layer.BaseLayer):
                 "FPropAndGrads needs the last layer to return a NestedMap with a scalar 'loss' "
                 "(the mean loss of its micro-batch); end p.layers with a loss layer."
             )
+
+
+def iter_pipelining_params(p: Any, path: str = "") -> Iterator[tuple[str, hyperparams.Params]]:
+    """Yields (dotted path, params) of every PipeliningLayer params in the tree under `p`.
+
+    Walks nested Params and the lists, tuples and dicts that hold them (e.g. `network.layers[3]`).
+    """
+    if isinstance(p, hyperparams.Params):
+        cls = p.cls if "cls" in p else None
+        if isinstance(cls, type) and issubclass(cls, PipeliningLayer):
+            yield path, p
+        for name, value in p.IterParams():
+            yield from iter_pipelining_params(value, f"{path}.{name}" if path else name)
+    elif isinstance(p, (list, tuple)):
+        for i, value in enumerate(p):
+            yield from iter_pipelining_params(value, f"{path}[{i}]")
+    elif isinstance(p, dict):
+        for key, value in p.items():
+            yield from iter_pipelining_params(value, f"{path}[{key}]")

@@ -6,7 +6,7 @@ first). `remat_plan` makes that choice for every action of a schedule before any
 so the executor, the simulator and the memory model all read the same answer.
 
 Example:
-    >>> from lingvo_lite.pipeline import schedule
+    >>> from lingvo_lite.pipeline.schedules import schedule
     >>> sorted(remat_plan(schedule.make_schedule("gpipe", 2, 3), "except_last"))
     [(0, 2), (1, 2)]
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase, Schedule
 
 __all__: list[str] = []
 

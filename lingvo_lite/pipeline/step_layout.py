@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.pipeline import micro_batch
-from lingvo_lite.pipeline import schedule as schedule_lib
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
 __all__ = ["StepLayout", "global_batch_size", "num_micro_batches", "placement_schedule",
            "replica_batch_size", "resolve"]

@@ -35,7 +35,7 @@ Modules (each with one job; the trainer's own, `__all__ = []`, except `options` 
   - `runner`: `main(options)`, the per-mode setup and the user-error handling.
 """
 
-from lingvo_lite import _lazy
+from lingvo_lite.core import _lazy
 
 _EXPORTS = {
     "main": "lingvo_lite.training.runner",

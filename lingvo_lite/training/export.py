@@ -160,15 +160,15 @@ def describe_signatures(graph: Any) -> str:
 def check_inference_defined(config: model_config.ModelConfig) -> None:
     """InferenceNotDefinedError (one line naming `Inference()`) for a task class that keeps
     `BaseTask.Inference`, before any checkpoint is read or weight allocated."""
-    from lingvo_lite import base_task, inference
+    from lingvo_lite.tasks import base_task, inference
 
     cls = config.task_params.cls
     if getattr(cls, "Inference", None) is base_task.BaseTask.Inference:
         raise inference.InferenceNotDefinedError(
             f"--mode=export: the task of model {config.name} ({cls.__name__}) defines no "
             "serving signatures; add a method Inference(self) to it returning "
-            "lingvo_lite.inference.InferenceGraph(signatures={'serving_default': <tf.function "
-            "with an input_signature>}) (docs/export.md).")
+            "lingvo_lite.tasks.inference.InferenceGraph(signatures={'serving_default': "
+            "<tf.function with an input_signature>}) (docs/export.md).")
 
 
 def prepare_export(config: model_config.ModelConfig, logdir: str, requested: str | None,

@@ -25,9 +25,10 @@ from typing import Any, TextIO
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_task, hyperparams
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import cluster_spec
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import base_task
 from lingvo_lite.training import checkpointer, interrupts, summaries
 from lingvo_lite.training.options import TrainingError
 
@@ -53,12 +54,12 @@ def eval_subdir(split: str) -> str:
     return f"eval_{split}"
 
 
-def _batch_size(batch: Any, strategy: tf.distribute.Strategy | None = None) -> int:
+def batch_size_of(batch: Any, strategy: tf.distribute.Strategy | None = None) -> int:
     """Leading dimension of the first tensor of a batch (summed over a strategy's replicas)."""
     leaves = batch.Flatten() if isinstance(batch, NestedMap) else tf.nest.flatten(batch)
     for leaf in leaves:
         if strategy is not None and isinstance(leaf, tf.distribute.DistributedValues):
-            return sum(_batch_size(v) for v in strategy.experimental_local_results(leaf))
+            return sum(batch_size_of(v) for v in strategy.experimental_local_results(leaf))
         if leaf is not None and leaf.shape.rank:
             size = leaf.shape[0]
             return int(size) if size is not None else int(tf.shape(leaf)[0])
@@ -110,7 +111,7 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
             break
         if should_stop is not None and should_stop():
             raise EvalStoppedError()
-        size = _batch_size(batch)
+        size = batch_size_of(batch)
         for k, v in _numpy_metrics(eval_step(batch)).items():
             sums[k] = sums.get(k, 0.0) + size * v
         total += size
@@ -248,7 +249,7 @@ class _Rate:
 
 
 class _WriteFailedError(Exception):
-    """Writing into the log directory failed (a full disk, lost permissions); see `_writing`."""
+    """Writing into the log directory failed (a full disk, lost permissions); see `writing`."""
 
     def __init__(self, path: str, step: int, reason: str, reason_code: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -276,7 +277,7 @@ def _reason_code(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _writing(path: str, step: int):
+def writing(path: str, step: int):
     """Turns an OSError or TensorFlow error of a write under `path` into _WriteFailedError."""
     try:
         yield
@@ -453,12 +454,12 @@ class Trainer:
         writers = self._summary_writers(first_step=step + 1)
         try:
             with interrupts.StopSignals() as self._signals:
-                with _writing(self._logdir, step):
+                with writing(self._logdir, step):
                     self._write_run_files(writers, step)
                 status = self._loop(writers, step, max_steps, self._signals)
             if self._signals.requested is not None:
                 interrupts.maybe_signal_self("stopped")
-            with _writing(self._logdir, self.global_step):
+            with writing(self._logdir, self.global_step):
                 writers.close()
             return status
         except _WriteFailedError as e:
@@ -517,7 +518,7 @@ class Trainer:
             else:
                 metrics = self._train_step(batch)
             step += 1
-            rate.add_examples(_batch_size(batch, self._strategy))
+            rate.add_examples(batch_size_of(batch, self._strategy))
             if self._strategy is None:
                 tokens = self.task.TokenCounts(batch)
                 if tokens is not None:
@@ -541,7 +542,7 @@ class Trainer:
                     values.update(steps_per_sec=steps_per_sec,
                                   examples_per_sec=examples_per_sec)
                 if summarize:
-                    with _writing(os.path.join(self._logdir, TRAIN_SUBDIR), step):
+                    with writing(os.path.join(self._logdir, TRAIN_SUBDIR), step):
                         writers.scalars(TRAIN_SUBDIR, step, values)
                 if log:
                     self._progress(step, max_steps, values, steps_per_sec)
@@ -642,9 +643,9 @@ class Trainer:
                     f"{steps_per_sec:.2f} steps/s  ETA {_format_duration(eta)}")
 
     def _save(self, step: int, writers: summaries.SummaryWriters) -> None:
-        with _writing(self._logdir, step):
+        with writing(self._logdir, step):
             writers.flush()
-        with _writing(self._ckpt.directory, step):
+        with writing(self._ckpt.directory, step):
             path = self._ckpt.save(step)
         if path:
             self._print(f"Saved checkpoint {path}")
@@ -666,7 +667,7 @@ class Trainer:
             except EvalStoppedError:
                 self._print(f"eval {split} @ step {step}: abandoned (stop signal received).")
                 break
-            with _writing(os.path.join(self._logdir, eval_subdir(split)), step):
+            with writing(os.path.join(self._logdir, eval_subdir(split)), step):
                 write_eval_results(self._logdir, split, step, metrics, writers)
             self._print(f"eval {split} @ step {step}: " + _inline(metrics))
             results[split] = metrics

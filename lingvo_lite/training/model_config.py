@@ -16,10 +16,11 @@ import dataclasses
 import difflib
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lingvo_lite import hyperparams, model_registry
+from lingvo_lite.core import hyperparams
+from lingvo_lite.tasks import model_registry
 from lingvo_lite.training.options import RunOptions, UsageError
 
 __all__: list[str] = []
@@ -131,24 +132,11 @@ def _apply_text(p: hyperparams.Params, text: str, flag: str) -> None:
 
 
 def iter_pipelining_params(p: Any, path: str = "") -> Iterator[tuple[str, hyperparams.Params]]:
-    """Yields (dotted path, params) of every PipeliningLayer params in the tree under `p`.
+    """`pipelining_layer.iter_pipelining_params`, importing TensorFlow (no op runs) on first
+    call: the trainer checks its flags before TensorFlow loads."""
+    from lingvo_lite.pipeline import pipelining_layer
 
-    Walks nested Params and the lists, tuples and dicts that hold them (e.g. `network.layers[3]`).
-    """
-    from lingvo_lite.pipeline import pipelining_layer  # Imports TF; no op runs.
-
-    if isinstance(p, hyperparams.Params):
-        cls = p.cls if "cls" in p else None
-        if isinstance(cls, type) and issubclass(cls, pipelining_layer.PipeliningLayer):
-            yield path, p
-        for name, value in p.IterParams():
-            yield from iter_pipelining_params(value, f"{path}.{name}" if path else name)
-    elif isinstance(p, (list, tuple)):
-        for i, value in enumerate(p):
-            yield from iter_pipelining_params(value, f"{path}[{i}]")
-    elif isinstance(p, dict):
-        for key, value in p.items():
-            yield from iter_pipelining_params(value, f"{path}[{key}]")
+    return pipelining_layer.iter_pipelining_params(p, path)
 
 
 def auto_num_logical_cpus(task_params: hyperparams.Params) -> int:
@@ -260,7 +248,8 @@ def build_model_config(options: RunOptions) -> ModelConfig:
 def check_settable_params(task_params: hyperparams.Params) -> None:
     """Checks params whose library errors would name an internal argument (`method=`,
     `SyntheticInput: batch_size`); raises UsageError naming the dotted param the user sets."""
-    from lingvo_lite.pipeline import partition, pipelining_layer
+    from lingvo_lite.pipeline import pipelining_layer
+    from lingvo_lite.pipeline.partition import partition
 
     choices = {"partition_method": partition.METHODS,
                "partition_cost": pipelining_layer.PARTITION_COSTS}
@@ -289,3 +278,16 @@ def list_models_text(modules: list[str] | tuple[str, ...] = ()) -> str:
         return f"No registered models (add modules under {packages}).\n"
     width = max(len(n) for n in models)
     return "".join(f"{name:<{width}}  {doc}\n" for name, doc in models.items())
+
+
+def describe_params(config: ModelConfig, splits: Sequence[str] = ()) -> str:
+    """The inspect_params text: task params (train input under `input.*`) and eval inputs."""
+    parts = [f"# Task params of {config.name} (train input params under input.*)\n",
+             config.task_params.ToText()]
+    for split in splits:
+        try:
+            p = config.eval_input_params(split)
+        except ValueError:
+            continue
+        parts += [f"\n# Input params of split {split!r}\n", p.ToText()]
+    return "".join(parts)

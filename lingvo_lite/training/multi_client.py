@@ -98,14 +98,14 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
     `locked(logdir, err, prepare_job, on_acquired=...)` is the runner's logdir lock, which
     only the chief takes (the tasks share the logdir).
     """
-    from lingvo_lite.training import analysis
+    from lingvo_lite.analysis import model_analysis
 
     task_params = config.task_params
     n, me = cluster.num_tasks, cluster.task_index
     _check_options(options, task_params, n)
     # params.txt and the analysis describe the whole run (R replicas), as one process would.
     params_text = task_params.ToText()
-    analysis_text = analysis.describe_model(config.name, task_params)
+    analysis_text = model_analysis.describe_model(config.name, task_params)
     (_, first), *_ = model_config.iter_pipelining_params(task_params)
     replicas, local = first.num_replicas, first.num_replicas // n
     for _, pp in model_config.iter_pipelining_params(task_params):
@@ -130,7 +130,7 @@ def prepare(options: RunOptions, config: model_config.ModelConfig,
         raise UsageError(str(e)) from None
     _agree_on_the_command(cluster)
     heartbeats.close_channel()  # From here TensorFlow's coordination service keeps watch.
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
     import tensorflow as tf

@@ -21,9 +21,9 @@ from typing import Any, TextIO
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import cluster_spec
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.training import checkpointer, loop, summaries
 from lingvo_lite.training.input_positions import InputPositions
 from lingvo_lite.training.options import UsageError
@@ -60,7 +60,7 @@ class MultiClientTrainer(loop.Trainer):
             super()._write_run_files(writers, step)
 
     def _save(self, step: int, writers: summaries.SummaryWriters) -> None:
-        with loop._writing(self.positions.directory, step):
+        with loop.writing(self.positions.directory, step):
             self.positions.save(step)
         # ZeRO-1: every task reaches this step and joins the gather of the slot shards, so
         # the chief saves whole slots (bounded: a task lost meanwhile fails the gather).
@@ -76,7 +76,7 @@ class MultiClientTrainer(loop.Trainer):
 
     def _next_batch(self) -> NestedMap:
         batch = super()._next_batch()
-        self.examples_read += loop._batch_size(batch)
+        self.examples_read += loop.batch_size_of(batch)
         return batch
 
     def run(self) -> int:
@@ -137,14 +137,14 @@ def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster_spec.
     skipped_examples = 0
     for _ in range(skip + 1):
         first_batch = next(iterator)
-        skipped_examples += loop._batch_size(first_batch)
+        skipped_examples += loop.batch_size_of(first_batch)
     trainer = MultiClientTrainer(
         task=task, iterator=iterator, first_batch=first_batch, logdir=logdir, ckpt=ckpt,
         restored_from=restored, params_text=params_text, analysis_text=analysis_text,
         eval_spec=eval_spec, out=out, err=err, skipped_updates=skipped_updates)
     trainer.config = cluster
     trainer.positions = positions
-    trainer.examples_read = skipped_examples - loop._batch_size(first_batch)
+    trainer.examples_read = skipped_examples - loop.batch_size_of(first_batch)
     trainer._input_generator = input_generator
     return trainer
 

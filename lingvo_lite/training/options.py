@@ -173,7 +173,7 @@ class RunOptions:
         if not self.plan_memory_per_device:
             raise UsageError("--plan_memory_per_device is required for --mode=plan; pass each "
                              "device's memory, e.g. --plan_memory_per_device=16GiB.")
-        from lingvo_lite.training import sizes
+        from lingvo_lite.core import sizes
 
         try:
             sizes.parse_size(self.plan_memory_per_device)

@@ -78,7 +78,7 @@ class PipelineDescription:
     def schedule_for(self, num_cells: int, num_micro_batches: int) -> Any:
         """The profiled step's Schedule for `num_cells` cells and T (None when the
         description's schedule cannot be built so)."""
-        from lingvo_lite.pipeline import schedule
+        from lingvo_lite.pipeline.schedules import schedule
 
         try:
             return schedule.schedule_for(self.schedule, num_cells, num_micro_batches,
@@ -221,7 +221,8 @@ def one_line(text: str) -> str:
 def build_report(result: dict, description: PipelineDescription) -> Report:
     """The title facts, predicted timeline, table and suggestions of `analyse`'s result."""
     from lingvo_lite.analysis import breakdown_advice, gantt, ideal_timeline
-    from lingvo_lite.pipeline import pipelining_layer, schedule
+    from lingvo_lite.pipeline import pipelining_layer
+    from lingvo_lite.pipeline.schedules import schedule
 
     boxes, breakdown = result["boxes"], result["breakdown"]
     num_cells = description.num_cells or result["num_cells"]

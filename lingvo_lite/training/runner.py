@@ -59,7 +59,7 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
     run in-process in a moment (the others: README, "Registered models"):
 
     >>> import io
-    >>> from lingvo_lite import model_registry
+    >>> from lingvo_lite.tasks import model_registry
     >>> from lingvo_lite.training import RunOptions, main
     >>> model_registry.add_model_package("model_params")      # As trainer.py does.
     >>> out = io.StringIO()
@@ -174,27 +174,26 @@ def prepare(options: RunOptions, out: TextIO, err: TextIO | None = None) -> Job:
         return _printer(model_config.list_models_text(list(options.model_modules)), out)
     config = model_config.build_model_config(options)
     if options.mode == "inspect_params":
-        from lingvo_lite.training import analysis
-
-        return _printer(analysis.describe_params(config, list(options.eval_splits)), out)
+        return _printer(model_config.describe_params(config, list(options.eval_splits)), out)
     if options.mode == "inspect_model":
-        from lingvo_lite.training import analysis
+        from lingvo_lite.analysis import model_analysis
 
         _check_batch_splits(config, "inspect_model")
         if model_config.uses_measured_costs(config.task_params):
             _prepare_layer_timing(options, config)
-        return _printer(analysis.describe_model(
+        return _printer(model_analysis.describe_model(
             config.name, config.task_params, list(options.inspect_num_cells),
             read_input=True), out)
     if options.mode == "check_equivalence":
         return _prepare_check_equivalence(options, config, out, err)
     if options.mode == "plan":
-        from lingvo_lite.training import planner
+        from lingvo_lite.analysis import planner
+        from lingvo_lite.training import plan_mode
 
         print(f"Searching plans for {config.name} on {options.plan_devices} device(s): cells, "
               "replicas, micro-batches, schedule and remat, each simulated (this can take a "
               "minute)...", file=out, flush=True)
-        return _printer(planner.plan_text(
+        return _printer(plan_mode.plan_text(
             config.name, config.task_params, options.plan_devices,
             planner.parse_size(options.plan_memory_per_device), options.plan_device_flops,
             options.model_params_override), out)
@@ -225,7 +224,7 @@ def _prepare_layer_timing(options: RunOptions, config: model_config.ModelConfig)
     The same logical devices and thread pools as a train run (the profile's key holds the
     device kind and thread count), and with --logdir the run's cached layer profile.
     """
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
@@ -241,14 +240,14 @@ def _prepare_check_equivalence(options: RunOptions, config: model_config.ModelCo
             f"--mode=check_equivalence: model {config.name} has no PipeliningLayer, so there is "
             "no pipeline to compare with the unpipelined model.")
     _check_batch_splits(config, "check_equivalence")
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     num_cpus = options.num_logical_cpus or model_config.auto_num_logical_cpus(config.task_params)
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
     import tensorflow as tf
 
-    from lingvo_lite.nested_map import NestedMap
-    from lingvo_lite.training import equivalence
+    from lingvo_lite.analysis import equivalence
+    from lingvo_lite.core.nested_map import NestedMap
 
     if options.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -310,7 +309,7 @@ def _prepare_run(options: RunOptions, config: model_config.ModelConfig, out: Tex
             cluster, model_config.auto_num_logical_cpus(config.task_params))
         model_config.set_pipeline_fields(config.task_params, placement="cluster")
 
-    from lingvo_lite import devices  # TensorFlow is imported (no op has run yet).
+    from lingvo_lite.core import devices  # TensorFlow is imported (no op has run yet).
 
     devices.configure_logical_cpus(num_cpus, options.intra_op_threads, options.inter_op_threads)
 
@@ -399,7 +398,7 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
     pipeline sums the gradients over the replicas with the replica context's all-reduce.
     Not verified on TPU hardware (see README, "TPUs").
     """
-    from lingvo_lite import devices
+    from lingvo_lite.core import devices
 
     devices.configure_logical_cpus(options.num_logical_cpus or 1, options.intra_op_threads,
                                    options.inter_op_threads)
@@ -555,7 +554,8 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
                    eval_splits: dict, out: TextIO, err: TextIO,
                    strategy: tf.distribute.Strategy | None = None) -> Job:
     """Setup of train / train_and_eval (under the logdir lock)."""
-    from lingvo_lite.training import analysis, checkpointer, loop
+    from lingvo_lite.analysis import model_analysis
+    from lingvo_lite.training import checkpointer, loop
 
     task_params = config.task_params
     loop.check_train_params(task_params.train)
@@ -582,7 +582,7 @@ def _prepare_train(options: RunOptions, config: model_config.ModelConfig, logdir
         eval_spec = loop.EvalSpec(eval_splits, task_params.eval.max_eval_batches)
     trainer = loop.Trainer.build(
         task_params=task_params, logdir=logdir, params_text=task_params.ToText(),
-        analysis_text=analysis.describe_model(config.name, task_params),
+        analysis_text=model_analysis.describe_model(config.name, task_params),
         eval_spec=eval_spec, out=out, err=err, strategy=strategy,
         reset_input_position=options.reset_input_position)
     if options.profile_steps:

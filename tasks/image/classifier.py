@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, inference, pipelined_task
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import inference, pipelined_task
 from tasks.image import amoebanet
 
 __all__ = ["amoebanet_task_params", "ImageClassifierTask"]

@@ -22,8 +22,9 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
-from lingvo_lite import base_input_generator, hyperparams
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import base_input_generator
 
 __all__ = [
     "BaseImageInput",

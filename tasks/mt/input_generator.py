@@ -37,8 +37,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from lingvo_lite import base_input_generator, hyperparams
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import base_input_generator
 from tasks.mt import corpus, layers, packing, vocab
 
 __all__ = [

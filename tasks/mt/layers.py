@@ -36,9 +36,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams, layer_memory
+from lingvo_lite.core import base_layer, hyperparams, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import attention, dropout, embedding, feedforward, losses, normalization
-from lingvo_lite.nested_map import NestedMap
 
 _TARGET_FIELDS = ("tgt_paddings", "tgt_labels", "tgt_weights")
 # Packed rows (several pairs per row, ParallelTextInput.pack): each position's segment (1, 2, ...

@@ -17,8 +17,9 @@ import numpy as np
 import sacrebleu
 import tensorflow as tf
 
-from lingvo_lite import fprop_context, hyperparams, inference, pipelined_task
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import fprop_context, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.tasks import inference, pipelined_task
 from tasks.mt import input_generator, layers, search, vocab
 
 __all__ = ["corpus_bleu", "DecodeResult", "transformer_task_params", "TransformerMtTask"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core.nested_map import NestedMap
 
 __all__ = ["beam_search", "greedy_search", "length_penalty"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from lingvo_lite import inference
 from lingvo_lite.keras import KerasTask
+from lingvo_lite.tasks import inference
 from tasks.text import char_lm_input
 
 __all__ = ["CharLMTask", "END_OF_LINE"]

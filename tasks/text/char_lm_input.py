@@ -24,7 +24,8 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_input_generator, hyperparams
+from lingvo_lite.core import hyperparams
+from lingvo_lite.tasks import base_input_generator
 from tasks.mt import corpus
 
 __all__ = ["CharLMInput", "corpus_text", "decode", "vocabulary"]

@@ -6,9 +6,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import conv, normalization
-from lingvo_lite.nested_map import NestedMap
 
 __all__: list[str] = []
 

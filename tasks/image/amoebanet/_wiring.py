@@ -15,9 +15,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, layer_memory
+from lingvo_lite.core import base_layer, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import conv, normalization, pooling
-from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import InstantiableParams, Params, dtype_of, num_elements
 
 __all__: list[str] = []

@@ -10,9 +10,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, fprop_context, layer_memory
+from lingvo_lite.core import base_layer, fprop_context, layer_memory
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import dropout, losses, pooling
-from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import (
     InstantiableParams,
     Params,

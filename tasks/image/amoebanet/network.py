@@ -8,9 +8,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer
+from lingvo_lite.core import base_layer
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite, conv
-from lingvo_lite.nested_map import NestedMap
 from tasks.image.amoebanet._common import InstantiableParams, Params
 from tasks.image.amoebanet.cells import CELL_SPECS, AmoebaNetCell
 from tasks.image.amoebanet.heads import STEM_TYPES, AuxHeadLayer, HeadLayer, StemLayer

@@ -20,7 +20,7 @@ Each candidate gets
 
 Plans are ranked by predicted examples/s (mini-batch / step time).
 
->>> from lingvo_lite.training import planner
+>>> from lingvo_lite.analysis import planner
 >>> import tensorflow as tf
 >>> from lingvo_lite.layers import dense
 >>> from lingvo_lite.pipeline import pipelining_layer
@@ -38,22 +38,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import memory_model, simulator
-from lingvo_lite.nested_map import NestedMap
-from lingvo_lite.pipeline import buckets, partition, pipelining_layer, step_layout
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.core.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
+from lingvo_lite.pipeline import pipelining_layer, step_layout
 from lingvo_lite.pipeline import remat as remat_lib
-from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.training.options import UsageError
-from lingvo_lite.training.sizes import format_bytes, parse_size  # noqa: F401 (re-exported)
+from lingvo_lite.pipeline.partition import partition
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
-# The schedules whose time and memory the models here describe.
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
 # Cells per device tried for a schedule that takes virtual stages (the interleaved one:
 # Megatron-LM's papers use 2 to 4; more cells per device add boundary crossings and
 # per-action overhead for a bubble already small).
@@ -150,10 +148,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _with_batch(shapes: Any, batch_dim: int, batch: int) -> Any:
+def with_batch(shapes: Any, batch_dim: int, batch: int) -> Any:
     """`shapes` (a shape or nested dict of them) with dimension `batch_dim` set to `batch`."""
     if isinstance(shapes, dict):
-        return NestedMap({k: _with_batch(v, batch_dim, batch) for k, v in shapes.items()})
+        return NestedMap({k: with_batch(v, batch_dim, batch) for k, v in shapes.items()})
     dims = base_layer.to_shape(shapes).as_list()
     if len(dims) > batch_dim:
         dims[batch_dim] = batch
@@ -166,7 +164,7 @@ def _first_batch(shapes: Any, batch_dim: int) -> int:
     return (shapes.Flatten() if isinstance(shapes, NestedMap) else [shapes])[0][batch_dim]
 
 
-def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
+def phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
                  num_micro_batches: int, device_flops: float,
                  link_bytes_per_s: float) -> simulator.PhaseCosts:
     """Each cell's per-micro-batch action times from its FLOPs (see the module docstring)."""
@@ -177,7 +175,7 @@ def _phase_costs(cell_flops: Sequence[float], boundary_bytes: Sequence[int],
     return simulator.PhaseCosts(forward, backward, transfer)
 
 
-def _device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
+def device_memory(part: partition.Partition, layers: list[memory_model.LayerMemory],
                    input_bytes: int, sched: schedule_lib.Schedule, remat: str, num_slots: int,
                    num_replicas: int, step: simulator.SimulatedStep,
                    batched_weight_grads: bool, shard_slots: bool = False
@@ -205,7 +203,7 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
     the slots are sharded over the replicas (ZeRO-1), 1/num_replicas of them per device."""
     batch = global_batch_size(p)
     q = p.Copy()
-    q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
+    q.input_shapes = with_batch(p.input_shapes, p.batch_dim, batch // num_replicas)
     q.num_cells = num_cells
     metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
     part = pipelining_layer.PipeliningLayer.ComputePartition(q)
@@ -214,10 +212,10 @@ def predict_memory(p: hyperparams.Params, num_cells: int, num_replicas: int,
     sched = schedule_lib.make_schedule(schedule, part.num_cells, num_micro_batches,
                                        virtual_stages)
     layers = memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size)
-    costs = _phase_costs([sum(m.flops for m in metas[a:b]) for a, b in part.cell_layer_ranges],
+    costs = phase_costs([sum(m.flops for m in metas[a:b]) for a, b in part.cell_layer_ranges],
                          [layers[b - 1].out_bytes for _, b in part.cell_layer_ranges[:-1]],
                          num_micro_batches, DEFAULT_DEVICE_FLOPS, DEFAULT_LINK_BYTES_PER_S)
-    return _device_memory(part, layers, base_layer.activation_bytes(q.input_shapes), sched,
+    return device_memory(part, layers, base_layer.activation_bytes(q.input_shapes), sched,
                           remat, num_slots, num_replicas,
                           simulator.simulate(sched, costs, remat=remat),
                           p.weight_gradients == "batched", shard_optimizer_state)
@@ -227,7 +225,7 @@ def global_batch_size(p: hyperparams.Params) -> int:
     """The mini-batch size a PipeliningLayer's `input_shapes` describe (`step_layout`)."""
     batch = step_layout.global_batch_size(p)
     if batch is None:
-        raise UsageError("--mode=plan needs the PipeliningLayer's input_shapes (the shape of "
+        raise ValueError("planning needs the PipeliningLayer's input_shapes (the shape of "
                          "one mini-batch) to estimate costs; set <pipeline>.input_shapes.")
     return batch
 
@@ -291,7 +289,7 @@ def _candidates(scheds: Sequence[tuple[schedule_lib.Schedule, int]],
                 continue
             seen_remat.add(recomputed)
             step = simulator.simulate(sched, costs, remat=remat)
-            mem = _device_memory(part, layers, input_bytes, sched, remat, num_slots, r, step,
+            mem = device_memory(part, layers, input_bytes, sched, remat, num_slots, r, step,
                                  batched_weight_grads, shard_slots)
             plans.append(Plan(r, remat, batch, step, all_reduce, tuple(mem), v))
     return plans
@@ -314,12 +312,12 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
       budget: bytes of memory per device.
       device_flops: achieved FLOP/s of one device.
       num_slots: weight-sized optimizer slots per weight (`memory_model.optimizer_slots`).
-      schedules: schedule names to try (default: PLANNED_SCHEDULES).
+      schedules: schedule names to try (default: the registry's `planned_schedules()`).
       remats: re-materialisation policies to try.
       link_bytes_per_s: bandwidth of a boundary crossing and of the all-reduce.
       shard_optimizer_state: the slots are sharded over the R replicas (ZeRO-1).
     """
-    schedules = list(schedules or PLANNED_SCHEDULES)
+    schedules = list(schedules or schedule_lib.planned_schedules())
     batch = global_batch_size(p)
     # With input_buckets, R and T must split every bucket's batch (one T for all of them).
     split = math.gcd(batch, *(int(_first_batch(b, p.batch_dim)) for b in p.input_buckets or []))
@@ -329,7 +327,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
         if r > num_devices:
             break
         q = p.Copy()
-        q.input_shapes = _with_batch(p.input_shapes, p.batch_dim, batch // r)
+        q.input_shapes = with_batch(p.input_shapes, p.batch_dim, batch // r)
         metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
         layers = memory_model.layer_memory(metas, param_size)
         input_bytes = base_layer.activation_bytes(q.input_shapes)
@@ -351,7 +349,7 @@ def search(p: hyperparams.Params, num_devices: int, budget: int,
                 scheds = _schedules_to_try(schedules, k, t, r, num_devices)
                 if not scheds:
                     continue
-                costs = _phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
+                costs = phase_costs(cell_flops, boundary, t, device_flops, link_bytes_per_s)
                 for plan in _candidates(scheds, part, layers, input_bytes, r, batch, costs,
                                         link_bytes_per_s, remats, num_slots,
                                         p.weight_gradients == "batched",
@@ -383,21 +381,6 @@ def why_better(best: Plan, other: Plan) -> str:
         text += (f" Equal speed; it needs less memory ({format_bytes(best.peak_bytes)} vs "
                  f"{format_bytes(other.peak_bytes)} on the fullest device) or fewer devices.")
     return text
-
-
-def plan_flags(plan: Plan, model: str, path: str, base_override: str = "") -> str:
-    """The trainer.py command line that runs `plan`."""
-    settings = [base_override.strip().rstrip(";"), f"{path}.schedule : '{plan.schedule}'",
-                f"{path}.remat : '{plan.remat}'"]
-    if plan.virtual_stages > 1:
-        settings.append(f"{path}.virtual_stages : {plan.virtual_stages}")
-    override = "; ".join(x for x in settings if x)
-    from lingvo_lite.training import options
-
-    return (f"{options.trainer_command()} --model={model} "
-            f"--logdir={options.default_run_logdir(model)} --num_cells={plan.num_cells} "
-            f"--num_replicas={plan.num_replicas} --num_micro_batches={plan.num_micro_batches} "
-            f"--model_params_override=\"{override}\"")
 
 
 def _row(i: int, plan: Plan, budget: int) -> str:
@@ -434,9 +417,10 @@ def _cells_text(m: memory_model.DeviceMemory) -> str:
     return f" (cells {', '.join(map(str, m.cells))})" if len(m.cells) > 1 else ""
 
 
-def format_report(result: PlanSearch, model: str, path: str, base_override: str = "",
-                  top: int = 5) -> str:
-    """The --mode=plan text."""
+def format_report(result: PlanSearch, model: str, path: str, top: int = 5,
+                  run_command: Callable[[Plan], str] | None = None) -> str:
+    """The --mode=plan text; `run_command(plan)`, when given, is the command printed to run the
+    chosen plan."""
     lines = [f"Plans for {model} ({path}) on {result.num_devices} device(s) with "
              f"{format_bytes(result.budget)} each, {result.device_flops / 1e12:g} TFLOP/s "
              f"per device: {len(result.fitting)} fit, {len(result.too_big)} do not.",
@@ -467,50 +451,9 @@ def format_report(result: PlanSearch, model: str, path: str, base_override: str 
         lines += [f"  The fastest of them needs {format_bytes(faster[0].peak_bytes)} on its "
                   f"fullest device (budget {format_bytes(result.budget)}):",
                   *_memory_lines(faster[0])]
-    lines += ["", "Run the chosen plan with:",
-              "  " + plan_flags(best, model, path, base_override)]
+    if run_command is not None:
+        lines += ["", "Run the chosen plan with:", "  " + run_command(best)]
     return "\n".join(lines) + "\n"
 
 
-def plan_text(model: str, task_params: hyperparams.Params, num_devices: int, budget: int,
-              device_flops: float | None = None, base_override: str = "", top: int = 5) -> str:
-    """`trainer.py --mode=plan` for a task's (first) PipeliningLayer."""
-    from lingvo_lite.training import model_config
-
-    pipelines = list(model_config.iter_pipelining_params(task_params))
-    if not pipelines:
-        raise UsageError(f"--mode=plan: model {model} has no PipeliningLayer to plan.")
-    path, p = pipelines[0]
-    if p.input_buckets and p.input_shapes is None:  # Memory is planned for the largest bucket.
-        p = p.Copy().Set(input_shapes=buckets.planning_shapes(p))
-    train = task_params.train if "train" in task_params else None
-    optimizer = train.optimizer if train is not None else None
-    sharded = bool(train is not None and "shard_optimizer_state" in train
-                   and train.shard_optimizer_state)
-    try:
-        result = search(p, num_devices, budget, device_flops or DEFAULT_DEVICE_FLOPS,
-                        memory_model.optimizer_slots(optimizer),
-                        shard_optimizer_state=sharded)
-    except ValueError as e:
-        raise UsageError(f"--mode=plan: {e}") from None
-    if sharded and "shard_optimizer_state" not in base_override:  # The printed command too.
-        base_override = "; ".join(x for x in (base_override.strip().rstrip(";"),
-                                              "train.shard_optimizer_state : True") if x)
-    text = format_report(result, model, path, base_override, top)
-    if p.input_buckets and result.fitting:
-        from lingvo_lite.training import bucket_plan
-
-        weights, source = bucket_plan.bucket_weights(
-            p, task_params.input if "input" in task_params else None)
-        steps = bucket_plan.bucket_steps(
-            p, weights, result.fitting[0], device_flops or DEFAULT_DEVICE_FLOPS,
-            num_slots=memory_model.optimizer_slots(optimizer), shard_slots=sharded)
-        text += "\n" + "\n".join(bucket_plan.mix_lines(
-            steps, f"{source}; plan 1", budget, planned=p.input_shapes)) + "\n"
-    if len(pipelines) > 1:
-        text += (f"(Planned the first PipeliningLayer, '{path}', of {len(pipelines)}.)\n")
-    return text
-
-
-__all__ = ["Plan", "PlanSearch", "search", "predict_memory", "plan_flags", "format_report",
-    "plan_text", "why_better"]
+__all__ = ["Plan", "PlanSearch", "search", "predict_memory", "format_report", "why_better"]

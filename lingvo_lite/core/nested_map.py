@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lingvo_lite import dotted_path
+from lingvo_lite.core import dotted_path
 
 __all__ = ["NestedMap"]
 

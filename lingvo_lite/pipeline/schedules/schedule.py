@@ -164,6 +164,11 @@ class Schedule(abc.ABC):
     name = ''
     # True when the backward is two actions: B (input gradient) and W (weight gradient).
     splits_backward = False
+    # Whether --mode=plan's search tries the schedule (its time and memory are modelled).
+    planned = True
+    # Whether `micro_batch_loop=True` (two tf.while_loops instead of one op per action)
+    # runs it.
+    runs_in_micro_batch_loop = False
 
     def __init__(self, num_cells: int, num_micro_batches: int,
                  num_devices: int | None = None):
@@ -479,6 +484,7 @@ class GPipeSchedule(Schedule):
     """GPipe fill-drain: all forwards (t = 0..T-1), then all backwards (t = T-1..0)."""
 
     name = 'gpipe'
+    runs_in_micro_batch_loop = True
 
     def cell_order(self, cell: int) -> list[Action]:
         self._check_cell(cell)
@@ -638,7 +644,7 @@ SCHEDULES: dict[str, type[Schedule]] = {
 
 # Schedules defined in modules of their own, registered on first use (`register`).
 _SCHEDULE_MODULES = (
-    'lingvo_lite.pipeline.zbv_schedule',
+    'lingvo_lite.pipeline.schedules.zbv_schedule',
 )
 
 
@@ -663,6 +669,24 @@ def schedule_classes() -> dict[str, type[Schedule]]:
     for module in _SCHEDULE_MODULES:
         importlib.import_module(module)
     return SCHEDULES
+
+
+def planned_schedules() -> list[str]:
+    """The registered schedules `--mode=plan` tries.
+
+    >>> planned_schedules()
+    ['gpipe', '1f1b', 'interleaved', 'zero_bubble', 'zbv']
+    """
+    return [name for name, cls in schedule_classes().items() if cls.planned]
+
+
+def micro_batch_loop_schedules() -> list[str]:
+    """The registered schedules `micro_batch_loop=True` runs.
+
+    >>> micro_batch_loop_schedules()
+    ['gpipe']
+    """
+    return [name for name, cls in schedule_classes().items() if cls.runs_in_micro_batch_loop]
 
 
 def make_schedule(name: str, num_cells: int, num_micro_batches: int,

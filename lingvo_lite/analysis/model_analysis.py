@@ -12,10 +12,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
 from lingvo_lite.analysis import simulator
-from lingvo_lite.pipeline import buckets, partition, pipelining_layer, step_layout
-from lingvo_lite.training import model_config
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.pipeline import buckets, pipelining_layer, step_layout
+from lingvo_lite.pipeline.partition import partition
 
 __all__: list[str] = []
 
@@ -131,7 +131,7 @@ def describe_pipeline(path: str, p: hyperparams.Params,
                       f"{simulator.BACKWARD_RATIO:g} x forward, transfers free):",
                       "  " + prediction.summary()]
     if p.input_buckets and metas is not None:
-        from lingvo_lite.training import bucket_plan
+        from lingvo_lite.analysis import bucket_plan
 
         weights, source = bucket_plan.bucket_weights(p, input_params)
         try:
@@ -151,7 +151,7 @@ def describe_pipeline(path: str, p: hyperparams.Params,
 def _measured_profile(p: hyperparams.Params, lines: list[str]) -> Any:
     """partition_cost='measured': appends the layers' measured times to `lines`; the profile
     (None, with the reason in `lines`, when the layers cannot be timed)."""
-    from lingvo_lite.pipeline import layer_profile
+    from lingvo_lite.pipeline.partition import layer_profile
 
     try:
         profile = layer_profile.load_or_measure(p)
@@ -216,7 +216,7 @@ def describe_model(name: str, task_params: hyperparams.Params,
       read_input: weigh length buckets by the training input's bucket distribution (reads
         its data) when the pipeline does not set input_bucket_weights.
     """
-    pipelines = list(model_config.iter_pipelining_params(task_params))
+    pipelines = list(pipelining_layer.iter_pipelining_params(task_params))
     lines = [f"Model {name} (task {task_params.cls.__name__}): "
              f"{len(pipelines)} PipeliningLayer(s)"]
     if not pipelines:
@@ -241,17 +241,3 @@ def describe_model(name: str, task_params: hyperparams.Params,
         lines.append(f"  trainable, used only in training (auxiliary heads): {format_count(aux)}; "
                      f"trainable without them: {format_count(trainable - aux)}")
     return "\n".join(lines) + "\n"
-
-
-def describe_params(config: model_config.ModelConfig, splits: Sequence[str] = ()) -> str:
-    """The inspect_params text: task params (train input under `input.*`) and eval inputs."""
-    parts = [f"# Task params of {config.name} (train input params under input.*)\n",
-             config.task_params.ToText()]
-    for split in splits:
-        try:
-            p = config.eval_input_params(split)
-        except ValueError:
-            continue
-        parts += [f"\n# Input params of split {split!r}\n", p.ToText()]
-    return "".join(parts)
-

@@ -45,7 +45,7 @@ def configure_logical_cpus(
             raise RuntimeError(
                 f"Cannot create {num_devices} logical CPU devices: TensorFlow already started "
                 f"with {have}. Configure devices before any TensorFlow op runs (e.g. call "
-                "lingvo_lite.devices.configure_logical_cpus first, or pass "
+                "lingvo_lite.core.devices.configure_logical_cpus first, or pass "
                 "--num_logical_cpus to trainer.py)."
             ) from e
     _set_threads(intra_op_threads, inter_op_threads)

@@ -23,7 +23,7 @@ import operator
 import re
 from collections.abc import Sequence
 
-from lingvo_lite.pipeline.schedule import Action, Phase, Schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase, Schedule
 
 __all__ = ["CustomSchedule", "parse_orders"]
 

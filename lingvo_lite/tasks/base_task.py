@@ -13,19 +13,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import (
-    base_layer,
-    colocation,
-    fprop_context,
-    hyperparams,
-    inference,
-    learning_rate,
-    optimizers,
-    sharded_optimizer,
-    warm_start,
-)
+from lingvo_lite.core import base_layer, colocation, fprop_context, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import process_group
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.tasks import inference, learning_rate, optimizers, sharded_optimizer, warm_start
 
 __all__ = ["BaseTask", "scalar_outputs"]
 
@@ -38,7 +29,8 @@ def _train_params() -> hyperparams.Params:
     tp.Define("shard_optimizer_state", False,
               "ZeRO-1: each of the R data-parallel replicas keeps the optimizer slots of 1/R of "
               "every weight and updates that slice; the weights are all-gathered after the "
-              "update (lingvo_lite/sharded_optimizer.py). Checkpoints keep the unsharded layout.")
+              "update (lingvo_lite/tasks/sharded_optimizer.py). Checkpoints keep the unsharded "
+              "layout.")
     tp.Define("clip_gradient_norm_to_value", 0.0,
               "Clip the global gradient norm to this value; 0 disables clipping.")
     tp.Define("l2_regularizer_weight", 0.0,
@@ -263,12 +255,13 @@ class BaseTask(base_layer.BaseLayer):
 
         Called on the task built unpipelined (one cell, one micro-batch, one replica) with a
         checkpoint restored; returns an `inference.InferenceGraph` whose signatures read this
-        task's variables (see lingvo_lite/inference.py and docs/export.md). A task that serves
+        task's variables (see lingvo_lite/tasks/inference.py and docs/export.md). A task that serves
         nothing keeps this default, which refuses the export in one line.
         """
         raise inference.InferenceNotDefinedError(
             f"task {type(self).__name__} ({self.path}) defines no serving signatures: add a "
-            "method Inference(self) returning lingvo_lite.inference.InferenceGraph(signatures="
+            "method Inference(self) returning "
+            "lingvo_lite.tasks.inference.InferenceGraph(signatures="
             "{'serving_default': <tf.function with an input_signature>}) to export it "
             "(docs/export.md).")
 

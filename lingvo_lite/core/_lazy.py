@@ -23,8 +23,9 @@ def exporter(package: str, exports: Mapping[str, str],
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         imported = importlib.import_module(module)
-        # A submodule exports itself (`lingvo_lite.fprop_context`), anything else by name.
-        value = imported if module == f"{package}.{name}" else getattr(imported, name)
+        # A module exports itself (`fprop_context`: `lingvo_lite.core.fprop_context`), anything
+        # else by name.
+        value = imported if module.rsplit(".", 1)[-1] == name else getattr(imported, name)
         namespace[name] = value  # Later lookups skip __getattr__.
         return value
 

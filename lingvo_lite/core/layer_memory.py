@@ -8,7 +8,7 @@ through the functions here; the runtime never does.
 
 Example:
     >>> import tensorflow as tf
-    >>> from lingvo_lite import base_layer
+    >>> from lingvo_lite.core import base_layer
     >>> meta = base_layer.fprop_meta(0, tf.TensorShape([8, 4]),
     ...                              memory=MemoryRecord(saved_activation_bytes=1024))
     >>> saved_activation_bytes(meta), backward_temporary_bytes(meta)  # max(2 x 128, 0.5 x 1024)
@@ -121,7 +121,7 @@ def saved_covers_input(meta: Any) -> bool:
     """Whether `meta`'s saved activations already count what its backward reads of its input.
 
     >>> import tensorflow as tf
-    >>> from lingvo_lite import base_layer
+    >>> from lingvo_lite.core import base_layer
     >>> saved_covers_input(base_layer.fprop_meta(0, tf.TensorShape([8, 4])))
     False
     """
@@ -153,7 +153,7 @@ def deferring_backward_temporary_bytes(metas: Sequence[Any]) -> int:
     saved, its output's gradient is not; an undeclared layer with weights: its output).
 
     >>> import tensorflow as tf
-    >>> from lingvo_lite import base_layer
+    >>> from lingvo_lite.core import base_layer
     >>> a = base_layer.fprop_meta(0, tf.TensorShape([8, 4]), num_params=16, memory=MemoryRecord(
     ...     weight_op_bytes=256, saved_activation_bytes=128, backward_temporary_bytes=100))
     >>> deferring_backward_temporary_bytes([a, a])  # Through the first: 100 + (256 - 128).
@@ -185,7 +185,7 @@ def composite(metas: Sequence[Any], saved_extra: int = 0) -> MemoryRecord:
     passed), and its saved bytes cover its input when its first child's do.
 
     >>> import tensorflow as tf
-    >>> from lingvo_lite import base_layer
+    >>> from lingvo_lite.core import base_layer
     >>> a = base_layer.fprop_meta(0, tf.TensorShape([8, 4]),
     ...                           memory=MemoryRecord(saved_activation_bytes=1024))
     >>> b = base_layer.fprop_meta(0, tf.TensorShape([8, 4]))  # Saves its output, 128 bytes.

@@ -27,8 +27,8 @@ from typing import Any, ContextManager
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams, weight_params
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import hyperparams, weight_params
+from lingvo_lite.core.nested_map import NestedMap
 
 _build_stack = threading.local()
 

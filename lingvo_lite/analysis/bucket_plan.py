@@ -31,13 +31,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import base_layer, hyperparams
-from lingvo_lite.analysis import memory_model, simulator
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.analysis import memory_model, planner, simulator
+from lingvo_lite.core import base_layer, hyperparams
+from lingvo_lite.core.nested_map import NestedMap
+from lingvo_lite.core.sizes import format_bytes
 from lingvo_lite.pipeline import buckets, pipelining_layer, step_layout
-from lingvo_lite.pipeline import schedule as schedule_lib
-from lingvo_lite.training import planner
-from lingvo_lite.training.sizes import format_bytes
+from lingvo_lite.pipeline.schedules import schedule as schedule_lib
 
 __all__ = ["BucketStep", "bucket_steps", "bucket_weights", "mix_lines"]
 
@@ -91,16 +90,16 @@ def _one_bucket(p: hyperparams.Params, part: Any, bucket: Any, weight: float,
     if sched is None:
         return BucketStep(bucket, weight, batch, positions, None, None, None, reason)
     q = p.Copy()
-    q.input_shapes = planner._with_batch(bucket, p.batch_dim, batch // num_replicas)
+    q.input_shapes = planner.with_batch(bucket, p.batch_dim, batch // num_replicas)
     metas = pipelining_layer.PipeliningLayer.LayerMetas(q)
     layers = memory_model.layer_memory(metas, tf.as_dtype(p.dtype).size)
     ranges = part.cell_layer_ranges
     t = sched.num_micro_batches
-    costs = planner._phase_costs([sum(m.flops for m in metas[a:b]) for a, b in ranges],
+    costs = planner.phase_costs([sum(m.flops for m in metas[a:b]) for a, b in ranges],
                                  [layers[b - 1].out_bytes for _, b in ranges[:-1]], t,
                                  device_flops, link_bytes_per_s)
     step = simulator.simulate(sched, costs, remat=remat)
-    memory = planner._device_memory(part, layers, base_layer.activation_bytes(q.input_shapes),
+    memory = planner.device_memory(part, layers, base_layer.activation_bytes(q.input_shapes),
                                     sched, remat, num_slots, num_replicas, step,
                                     p.weight_gradients == "batched", shard_slots)
     return BucketStep(bucket, weight, batch, positions, step.step_time,
@@ -124,7 +123,7 @@ def bucket_steps(p: hyperparams.Params, weights: Sequence[float] | None = None,
     r = plan.num_replicas if plan is not None else p.num_replicas
     q.num_cells = plan.num_cells if plan is not None else p.num_cells
     planned_batch = step_layout.global_batch_size(q)
-    q.input_shapes = planner._with_batch(q.input_shapes, p.batch_dim, planned_batch // r)
+    q.input_shapes = planner.with_batch(q.input_shapes, p.batch_dim, planned_batch // r)
     part = pipelining_layer.PipeliningLayer.ComputePartition(q)
     remat = plan.remat if plan is not None else p.remat
     out = []

@@ -28,8 +28,8 @@ than the tolerance is the one the verdict names.
 
 Example (from the repository root):
 
-    from lingvo_lite.nested_map import NestedMap
-    from lingvo_lite.training import equivalence
+    from lingvo_lite.core.nested_map import NestedMap
+    from lingvo_lite.analysis import equivalence
     from tests import testdata_models
     task_p = testdata_models.TinyMlp().Task()
     task = task_p.Instantiate()
@@ -50,10 +50,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from lingvo_lite import base_layer, base_task, fprop_context
+from lingvo_lite.core import base_layer, fprop_context
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.tasks import base_task
 
 __all__: list[str] = []
 

@@ -56,9 +56,9 @@ from typing import Any
 import tensorflow as tf
 from absl import logging
 
-from lingvo_lite import base_layer, fprop_context, hyperparams, progress
+from lingvo_lite.core import base_layer, fprop_context, hyperparams, progress
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.distributed import placement
-from lingvo_lite.nested_map import NestedMap
 from lingvo_lite.pipeline import step_layout, tf_private
 
 __all__: list[str] = []

@@ -6,7 +6,7 @@ import math
 
 import tensorflow as tf
 
-from lingvo_lite import hyperparams
+from lingvo_lite.core import hyperparams
 
 __all__ = ["BaseSchedule", "Constant", "CosineDecay", "ExponentialDecay", "TransformerSchedule"]
 

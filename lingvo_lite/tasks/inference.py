@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import fprop_context
+from lingvo_lite.core import fprop_context
 
 __all__ = ["InferenceGraph", "InferenceNotDefinedError", "keras_input_specs", "keras_predictions",
            "keras_serving_graph", "network_forward"]
@@ -88,7 +88,7 @@ def keras_input_specs(task: Any) -> dict[str, tf.TensorSpec]:
 def keras_predictions(task: Any, inputs: dict[str, tf.Tensor]) -> Any:
     """The Keras network's predictions (eval mode, unpipelined) on inputs keyed like
     `keras_input_specs`: the last layer's `predictions` without labels."""
-    from lingvo_lite.nested_map import NestedMap
+    from lingvo_lite.core.nested_map import NestedMap
 
     out = network_forward(task.network, task.theta.network, NestedMap(inputs))
     return out.predictions

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from lingvo_lite import colocation
+from lingvo_lite.core import colocation
 
 __all__ = ["applying_side_updates", "current", "fprop_context", "FPropContext",
            "UpdateCollector"]

@@ -30,7 +30,8 @@ task slices its own replicas' shards.
 Example (2 replicas on 2 logical CPUs, created before TensorFlow starts):
 
     import tensorflow as tf
-    from lingvo_lite import devices, optimizers, sharded_optimizer
+    from lingvo_lite.core import devices
+    from lingvo_lite.tasks import optimizers, sharded_optimizer
     devices.configure_logical_cpus(2)
     ws = []
     for d in ("/device:CPU:0", "/device:CPU:1"):
@@ -53,8 +54,8 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
-from lingvo_lite import optimizers
 from lingvo_lite.distributed import cluster_spec, collectives, process_group
+from lingvo_lite.tasks import optimizers
 
 __all__ = ["ShardedOptimizer", "check_shardable"]
 

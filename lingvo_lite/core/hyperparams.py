@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lingvo_lite import dotted_path
+from lingvo_lite.core import dotted_path
 
 __all__ = ["CopyFieldsTo", "InstantiableParams", "Params"]
 
@@ -176,7 +176,7 @@ def _segments(node: ast.AST) -> list[str]:
 
 # Modules renamed since params text was first written; text saved before still parses.
 _MOVED_MODULES = {
-    "lingvo_lite.lr_schedule": "lingvo_lite.learning_rate",
+    "lingvo_lite.lr_schedule": "lingvo_lite.tasks.learning_rate",
     "lingvo_lite.pipeline.timeline": "lingvo_lite.analysis.trace_analysis",
     "lingvo_lite.layers.keras_layer": "lingvo_lite.keras.keras_layer",
     "lingvo_lite.layers.keras_loss": "lingvo_lite.keras.keras_loss",

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from lingvo_lite import colocation, hyperparams
+from lingvo_lite.core import colocation, hyperparams
 
 __all__ = ["Adam", "BaseOptimizer", "RMSProp", "SGD"]
 
@@ -113,7 +113,7 @@ class BaseOptimizer:
 
     def update_shard(self, grad: tf.Tensor, value: tf.Tensor, slots: dict[str, tf.Variable],
                      lr: tf.Tensor) -> tf.Tensor:
-        """Updates a flat slice of a weight (ZeRO-1, lingvo_lite/sharded_optimizer.py).
+        """Updates a flat slice of a weight (ZeRO-1, lingvo_lite/tasks/sharded_optimizer.py).
 
         `grad` and `value` are the slice of the gradient and of the weight; `slots` the
         slice's slot variables (scalar slots whole). Writes the slots and returns the

@@ -24,8 +24,8 @@ Example:
 
 from __future__ import annotations
 
-from lingvo_lite.pipeline import schedule
-from lingvo_lite.pipeline.schedule import Action, Phase
+from lingvo_lite.pipeline.schedules import schedule
+from lingvo_lite.pipeline.schedules.schedule import Action, Phase
 
 __all__ = ["ZeroBubbleVSchedule"]
 

@@ -8,9 +8,10 @@ GradientTape. Eval runs the same cells forward only.
 
 from __future__ import annotations
 
-from lingvo_lite import base_task, hyperparams
-from lingvo_lite.nested_map import NestedMap
+from lingvo_lite.core import hyperparams
+from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.tasks import base_task
 
 __all__ = ["PipelinedTask"]
 

@@ -7,7 +7,7 @@ hold them (`trainer.py` declares the repository's `model_params` package), so th
 `--model=image.AmoebaNetDigits` finds `AmoebaNetDigits` in `model_params/image.py` and
 `--mode=list_models` lists every module of those packages.
 
->>> from lingvo_lite import base_input_generator, base_task, model_registry
+>>> from lingvo_lite.tasks import base_input_generator, base_task, model_registry
 >>> @model_registry.register
 ... class Tiny(model_registry.SingleTaskModelParams):
 ...     '''A one-line summary shown by --mode=list_models.'''
@@ -30,7 +30,7 @@ import difflib
 import importlib
 import pkgutil
 
-from lingvo_lite import hyperparams
+from lingvo_lite.core import hyperparams
 
 __all__ = [
     "SingleTaskModelParams",
@@ -87,7 +87,7 @@ class SplitInputModelParams(SingleTaskModelParams):
     Write `split_input(split)` once instead of Train, Dev and Test; `SPLITS` lists the splits
     the model has (asking for another one raises as `SingleTaskModelParams` does).
 
-    >>> from lingvo_lite import base_input_generator
+    >>> from lingvo_lite.tasks import base_input_generator
     >>> class Digits(SplitInputModelParams):
     ...     SPLITS = ("train", "dev")
     ...     def split_input(self, split):
