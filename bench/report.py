@@ -52,7 +52,7 @@ from the saved micro-batch inputs instead of T weight-sized gradients.""",
 `PipeliningLayer.serial_devices=True` runs every forward and backward of a cell as one
 function on TensorFlow's single-threaded executor: each logical device then executes one op
 at a time, like an accelerator's compute stream, while the two devices still overlap
-(tests/serial_devices_test.py checks both behaviours). Gradients are unchanged. Each remat
+(tests/e2e/serial_devices_test.py checks both behaviours). Gradients are unchanged. Each remat
 policy is compared with naive model parallelism (K=2, T=1) under the same policy, so the
 work per example is the same on both sides and GPipe's ideal 2T/(T+1) applies; GPipe itself
 always re-materialises (`always`). `except_last` at T=1 recomputes nothing while at T>1 it
@@ -90,7 +90,7 @@ a cell, the executor may run the chain of input gradients ahead of the weight gr
 keeps those layers' inputs and output gradients alive a little longer.
 
 Across cells that effect was larger and is now prevented: B(k-1, t) waits for the whole of
-B(k, t), weight gradients included (tests/pipeline_test.py, BackwardOrderTest). Before, cell
+B(k, t), weight gradients included (tests/e2e/pipeline_test.py, BackwardOrderTest). Before, cell
 k-1 could start recomputing while cell k's weight gradients were still pending, so both cells'
 activations were alive at once: four repeated T=1 measurements (2026-11-23) gave `always`
 6.3-15.2 MiB and `never` 8.3-13.2 MiB of activations; with the wait, 5.7-6.4 and 8.4-9.6.

@@ -1,5 +1,10 @@
 """Test-session setup that must run before TensorFlow executes any op, and shared helpers.
 
+The tests come in two tiers: `tests/unit/` mirrors the packages (`core/`, `layers/`,
+`pipeline/`, ...; plain `pytest` runs it), `tests/e2e/` holds everything that starts a process
+or trains a registered model (marked `e2e` here, by folder). Modules beside this file are
+shared helpers (test models and makers), importable from every test file.
+
 Logical CPU devices and thread pools can only be configured before the runtime
 initialises, so this runs at import time of the test session. Eight logical
 devices let the pipeline tests place up to K=8 cells on distinct devices.
@@ -63,6 +68,8 @@ def pytest_collection_modifyitems(items: list) -> None:
     for item in items:
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
+        if "e2e" in item.path.relative_to(REPO).parts:
+            item.add_marker(pytest.mark.e2e)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
 

@@ -80,7 +80,7 @@ class TinyMlpBnNoisy(reliability_models.TinyMlpNoisy):
         return p
 
 
-# Keras (tests/multi_client_test.py): a Sequential with dropout, fitted on fixed data.
+# Keras (tests/e2e/multi_client_test.py): a Sequential with dropout, fitted on fixed data.
 
 
 def keras_sequential():

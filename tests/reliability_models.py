@@ -1,4 +1,5 @@
-"""Test models for tests/reliability_test.py: TinyMlp variants with randomness, NaNs, other shapes.
+"""Test models for tests/e2e/reliability_test.py: TinyMlp variants with randomness, NaNs, other
+shapes.
 
   - `TinyMlpNoisy`: TinyMlp with input augmentation (stateless Gaussian noise seeded by the
     example's position) and a dropout stage, so exact resumption must restore the input position

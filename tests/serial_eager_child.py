@@ -21,7 +21,7 @@ from lingvo_lite.core import devices  # noqa: E402
 devices.configure_logical_cpus(8, inter_op_threads=int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 import numpy as np  # noqa: E402
-import pipeline_test as pt  # noqa: E402
+import pipeline_models as pt  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from lingvo_lite.core import fprop_context  # noqa: E402

@@ -10,7 +10,7 @@ streams: element e of the flattened tensor comes from counter block e // 4, lane
 e % 4 (4 values per block, for the uniform and the Box-Muller normal alike), so the
 slice is produced by advancing the 128-bit counter by (o * per_example) // 4 blocks
 and dropping the first (o * per_example) % 4 values. Bit for bit what Keras draws for
-the whole batch (tests/keras_layer_test.py checks it against Keras' own ops).
+the whole batch (tests/unit/keras/keras_layer_test.py checks it against Keras' own ops).
 
 Example:
     >>> import numpy as np

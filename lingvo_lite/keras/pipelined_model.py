@@ -8,7 +8,7 @@ device, which the layer's variables then read and write) and the compiled loss a
 `KerasLossLayer` at the end of a `PipeliningLayer`; `train_step` runs
 `PipeliningLayer.FPropAndGrads` and hands the gradients to the Keras optimizer.
 
-What matches the unpipelined Sequential (tests/pipelined_model_test.py):
+What matches the unpipelined Sequential (tests/unit/keras/pipelined_model_test.py):
 - the loss, the gradients and so the weights after `fit` steps, for every K, T, remat
   and schedule, dropout included (each example gets the mask the whole batch would),
   weight regularizers' penalties included (activity regularizers are refused);
@@ -18,7 +18,7 @@ What matches the unpipelined Sequential (tests/pipelined_model_test.py):
 - every loss reduction but 'none' ('sum_over_batch_size', 'mean',
   'mean_with_sample_weight', 'sum'), sample_weight and class_weight, `loss_weights`
   for the one output, metrics and weighted_metrics, `steps_per_execution`, weight
-  regularizers and constraints (tests/keras_settings_test.py);
+  regularizers and constraints (tests/unit/keras/keras_settings_test.py);
 - mixed precision: each layer runs under its dtype policy as in Keras (inputs cast,
   weights autocast); under 'mixed_float16' the loss is scaled before the pipelined
   backward and the LossScaleOptimizer unscales the gradients, as Keras does;
