@@ -66,6 +66,7 @@ from lingvo_lite.keras import (
     weight_penalties,
 )
 from lingvo_lite.keras.graph_trace import GraphPlan, is_functional_model, trace_model
+from lingvo_lite.keras.pipeline_settings import PipelineSettings
 from lingvo_lite.keras.pipelined_model import PipelinedModel, register_model_kind
 from lingvo_lite.keras.untracked import Untracked
 from lingvo_lite.pipeline import pipelining_layer
@@ -221,20 +222,12 @@ class FunctionalPipelinedModel(PipelinedModel):
     `PipelinedModel(model, ...)`. `plain` is the user's model, whose variables now read and
     write the pipeline's (each on its cell's device)."""
 
-    def __init__(self, layers: keras.Model, input_shape: Any = None,
-                 num_cells: int = 1, num_micro_batches: int | None = None,
-                 micro_batch_size: int | None = None, remat: str = "except_last",
-                 schedule: str = "gpipe", placement: Any = "auto",
-                 partition_method: str = "min_max", split_points: Sequence[int] | None = None,
-                 serial_devices: bool = False, cost_batch_size: int = 1,
-                 input_buckets: Sequence[Any] | None = None,
-                 name: str | None = None) -> None:
+    def __init__(self, layers: keras.Model, input_shape: Any = None, *,
+                 cost_batch_size: int = 1, input_buckets: Sequence[Any] | None = None,
+                 name: str | None = None, **settings: Any) -> None:
         keras.Model.__init__(self, name=name)
         model = layers
-        settings = dict(num_cells=num_cells, num_micro_batches=num_micro_batches,
-                        micro_batch_size=micro_batch_size, remat=remat, schedule=schedule,
-                        placement=placement, partition_method=partition_method,
-                        split_points=split_points, serial_devices=serial_devices)
+        settings = PipelineSettings.of(settings).as_dict()
         self._config = dict(input_shape=input_shape, cost_batch_size=cost_batch_size,
                             input_buckets=input_buckets, **settings)
         # Buckets: built, traced for costs and planned for the largest (keras_buckets.py).

@@ -83,6 +83,7 @@ from lingvo_lite.keras import (
     multi_worker,
     weight_penalties,
 )
+from lingvo_lite.keras.pipeline_settings import PipelineSettings
 from lingvo_lite.keras.untracked import Untracked
 from lingvo_lite.pipeline import buckets as pipeline_buckets
 from lingvo_lite.pipeline import pipelining_layer
@@ -160,16 +161,15 @@ def _refuse_shared_weights(layer: keras.layers.Layer,
                 "are one variable.")
 
 
-def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
-                    num_micro_batches: int | None = None, micro_batch_size: int | None = None,
-                    remat: str = "except_last", schedule: str = "gpipe",
-                    placement: Any = "auto", partition_method: str = "min_max",
-                    split_points: Sequence[int] | None = None, serial_devices: bool = False,
-                    loss: Any = None, cost_batch_size: int = 1,
-                    name: str = "keras_pipeline",
+def pipeline_params(layers: Any, input_shape: Sequence[int], *, loss: Any = None,
+                    cost_batch_size: int = 1, name: str = "keras_pipeline",
                     allow_weight_regularizers: bool = False,
-                    input_buckets: Sequence[Any] | None = None, live: bool = False) -> Any:
+                    input_buckets: Sequence[Any] | None = None, live: bool = False,
+                    **settings: Any) -> Any:
     """PipeliningLayer params for Keras layers followed by a KerasLossLayer.
+
+    `settings`: the pipeline's settings by name (`PipelineSettings`: num_cells,
+    num_micro_batches, remat, schedule, ...).
 
     `layers`: a list of Keras layers, a `keras.Sequential`, or a function returning
     either; a function is called inside a `tf.Graph`, so no TensorFlow op runs (a
@@ -205,11 +205,8 @@ def pipeline_params(layers: Any, input_shape: Sequence[int], num_cells: int = 1,
     layer_params.append(keras_loss.KerasLossLayer.Params().Set(
         name="loss", loss=None if loss is None else keras_loss.serialize_loss(loss)))
     return pipelining_layer.PipeliningLayer.Params().Set(
-        name=name, layers=layer_params, num_cells=num_cells,
-        num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
-        remat=remat, schedule=schedule, placement=placement,
-        partition_method=partition_method, split_points=split_points,
-        serial_devices=serial_devices, input_buckets=input_buckets,
+        name=name, layers=layer_params, input_buckets=input_buckets,
+        **PipelineSettings.of(settings).as_dict(),
         input_shapes=(NestedMap(x=tf.TensorShape([cost_batch_size, *input_shape]))
                       if not input_buckets else pipeline_buckets.largest(input_buckets)))
 
@@ -234,8 +231,9 @@ class PipelinedModel(keras.Model):
         own layer objects run, and their variables, dropout seed states included, then
         read and write the pipeline's: training trains them).
       input_shape: one example's shape; taken from the Sequential's input if omitted.
-      num_cells, num_micro_batches, micro_batch_size, remat, schedule, placement,
-      partition_method, split_points, serial_devices: as in `PipeliningLayer.Params()`.
+      **settings: the pipeline's settings by name (`PipelineSettings`: num_cells,
+        num_micro_batches, micro_batch_size, remat, schedule, placement, partition_method,
+        split_points, serial_devices), as in `PipeliningLayer.Params()`; keyword only.
       cost_batch_size: batch size the cost model assumes when partitioning.
       input_buckets: training batches of varying shape (length buckets): the input batch
         shapes, batch first, e.g. [(16, 8), (8, 16), (4, 32)]; each is traced once and
@@ -248,15 +246,11 @@ class PipelinedModel(keras.Model):
             cls = next((kind for takes, kind in _MODEL_KINDS if takes(layers)), cls)
         return super().__new__(cls, layers, *args, **kwargs)
 
-    def __init__(self, layers: Any, input_shape: Sequence[int] | None = None,
-                 num_cells: int = 1, num_micro_batches: int | None = None,
-                 micro_batch_size: int | None = None, remat: str = "except_last",
-                 schedule: str = "gpipe", placement: Any = "auto",
-                 partition_method: str = "min_max", split_points: Sequence[int] | None = None,
-                 serial_devices: bool = False, cost_batch_size: int = 1,
-                 input_buckets: Sequence[Any] | None = None,
-                 name: str | None = None) -> None:
+    def __init__(self, layers: Any, input_shape: Sequence[int] | None = None, *,
+                 cost_batch_size: int = 1, input_buckets: Sequence[Any] | None = None,
+                 name: str | None = None, **settings: Any) -> None:
         super().__init__(name=name)
+        settings = PipelineSettings.of(settings).as_dict()
         sources = list(keras_layer.iter_keras_layers(layers))
         if not sources:
             raise ValueError("PipelinedModel: `layers` is empty; give the Keras layers to "
@@ -268,12 +262,8 @@ class PipelinedModel(keras.Model):
         if input_shape is None:
             input_shape = _input_shape_of(layers)
         self._config = dict(
-            input_shape=None, num_cells=num_cells,
-            num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
-            remat=remat, schedule=schedule, placement=placement,
-            partition_method=partition_method, split_points=split_points,
-            serial_devices=serial_devices, cost_batch_size=cost_batch_size,
-            input_buckets=declared and [list(b["x"]) for b in declared])
+            input_shape=None, cost_batch_size=cost_batch_size,
+            input_buckets=declared and [list(b["x"]) for b in declared], **settings)
         self._hidden = Untracked(batch_size=None, compiled=None, deferred=None, sources=sources)
         self._build_when_shaped(input_shape, lambda shape: self._build(sources, declared, shape))
 

@@ -187,6 +187,16 @@ class SettingsTest(tf.test.TestCase):
             lambda: pipeline_params(_dense_stack(), (D,), num_cells=2,
                                     loss=_sparse_xent(reduction="sum")))
 
+    def test_a_misspelt_setting_is_refused_in_one_line_with_the_fix(self):
+        # One record of settings for the layer stack, the functional model and the task.
+        inputs = keras.Input((D,))
+        functional = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+        for build in (lambda: PipelinedModel(_dense_stack(), (D,), num_cell=2),
+                      lambda: PipelinedModel(functional, num_cell=2),
+                      lambda: pipeline_params(_dense_stack(), (D,), num_cell=2)):
+            self.assert_one_line_refusal(
+                r"unknown pipeline setting num_cell=2 \(did you mean num_cells\?\)", build)
+
     def test_metrics_and_steps_per_execution(self):
         # Two steps of 4 examples per execution; the history holds every metric.
         self.assert_same_fit(
