@@ -53,7 +53,7 @@ import tensorflow as tf
 from lingvo_lite.core import base_layer, fprop_context
 from lingvo_lite.core.nested_map import NestedMap
 from lingvo_lite.layers import composite
-from lingvo_lite.pipeline import pipelining_layer
+from lingvo_lite.pipeline import micro_batch, pipelining_layer
 from lingvo_lite.tasks import base_task
 
 __all__: list[str] = []
@@ -221,11 +221,6 @@ def _uses_batch_statistics(layer: base_layer.BaseLayer) -> bool:
                for c in (child if isinstance(child, list) else [child]))
 
 
-def _batch_size(inputs: Any, batch_dim: int) -> int:
-    leaves = inputs.Flatten() if isinstance(inputs, NestedMap) else [inputs]
-    return int(next(leaf for leaf in leaves if leaf is not None).shape[batch_dim])
-
-
 def _merge_groups(outputs: list[Any], batch_dim: int) -> Any:
     """Outputs of the reference's micro-batches as one: scalars averaged (weighted by a
     `loss_weight` / `num_examples` output; weights summed), tensors concatenated."""
@@ -267,7 +262,7 @@ def _reference_fprop(pipe: pipelining_layer.PipeliningLayer, seen: dict[str, tup
     stats = any(_uses_batch_statistics(layer) for layer in pipe.layers)
 
     def fprop(theta: NestedMap, inputs: Any) -> Any:
-        batch_size = _batch_size(inputs, batch_dim)
+        batch_size = micro_batch.batch_size_of(inputs, batch_dim)
         num_micro = pipe.num_micro_batches_for(batch_size // pipe.num_replicas)
         num_groups = pipe.num_replicas * num_micro if stats else 1
         seen[pipe.path] = (batch_size, num_micro, num_groups)
@@ -337,7 +332,7 @@ def _first_coupled_layer(pipe: pipelining_layer.PipeliningLayer, theta: NestedMa
     Batch-statistical layers are expected to differ and are skipped. Runs eagerly.
     """
     batch_dim = pipe.params.batch_dim
-    batch_size = _batch_size(inputs, batch_dim)
+    batch_size = micro_batch.batch_size_of(inputs, batch_dim)
     num_groups = pipe.num_replicas * pipe.num_micro_batches_for(batch_size // pipe.num_replicas)
     size = batch_size // num_groups
 
@@ -492,7 +487,7 @@ def check_equivalence(task: base_task.BaseTask, batch: NestedMap,
     diffs.sort(key=lambda d: -np.inf if np.isnan(d.max_rel_diff) else -d.max_rel_diff)
     report = EquivalenceReport(pipelines=setups, loss=float(loss), reference_loss=float(ref_loss),
                                variables=diffs, tolerance=tolerance,
-                               batch_size=_batch_size(batch, 0), gradient_floor=floor)
+                               batch_size=micro_batch.batch_size_of(batch, 0), gradient_floor=floor)
     if not report.passed:
         found = _locate(task, batch, pipes, step_seed, tolerance)
         if found is not None:

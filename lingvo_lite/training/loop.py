@@ -54,12 +54,14 @@ def eval_subdir(split: str) -> str:
     return f"eval_{split}"
 
 
-def batch_size_of(batch: Any, strategy: tf.distribute.Strategy | None = None) -> int:
-    """Leading dimension of the first tensor of a batch (summed over a strategy's replicas)."""
+def examples_in(batch: Any, strategy: tf.distribute.Strategy | None = None) -> int:
+    """The examples a batch read from the input holds: the leading dimension of its first
+    tensor, static or not (summed over a strategy's replicas). The pipeline's own, static
+    batch size is `micro_batch.batch_size_of`."""
     leaves = batch.Flatten() if isinstance(batch, NestedMap) else tf.nest.flatten(batch)
     for leaf in leaves:
         if strategy is not None and isinstance(leaf, tf.distribute.DistributedValues):
-            return sum(batch_size_of(v) for v in strategy.experimental_local_results(leaf))
+            return sum(examples_in(v) for v in strategy.experimental_local_results(leaf))
         if leaf is not None and leaf.shape.rank:
             size = leaf.shape[0]
             return int(size) if size is not None else int(tf.shape(leaf)[0])
@@ -111,7 +113,7 @@ def evaluate_split(task: base_task.BaseTask, input_params: hyperparams.Params,
             break
         if should_stop is not None and should_stop():
             raise EvalStoppedError()
-        size = batch_size_of(batch)
+        size = examples_in(batch)
         for k, v in _numpy_metrics(eval_step(batch)).items():
             sums[k] = sums.get(k, 0.0) + size * v
         total += size
@@ -518,7 +520,7 @@ class Trainer:
             else:
                 metrics = self._train_step(batch)
             step += 1
-            rate.add_examples(batch_size_of(batch, self._strategy))
+            rate.add_examples(examples_in(batch, self._strategy))
             if self._strategy is None:
                 tokens = self.task.TokenCounts(batch)
                 if tokens is not None:

@@ -76,7 +76,7 @@ class MultiClientTrainer(loop.Trainer):
 
     def _next_batch(self) -> NestedMap:
         batch = super()._next_batch()
-        self.examples_read += loop.batch_size_of(batch)
+        self.examples_read += loop.examples_in(batch)
         return batch
 
     def run(self) -> int:
@@ -137,14 +137,14 @@ def build(*, task_params: hyperparams.InstantiableParams, cluster: cluster_spec.
     skipped_examples = 0
     for _ in range(skip + 1):
         first_batch = next(iterator)
-        skipped_examples += loop.batch_size_of(first_batch)
+        skipped_examples += loop.examples_in(first_batch)
     trainer = MultiClientTrainer(
         task=task, iterator=iterator, first_batch=first_batch, logdir=logdir, ckpt=ckpt,
         restored_from=restored, params_text=params_text, analysis_text=analysis_text,
         eval_spec=eval_spec, out=out, err=err, skipped_updates=skipped_updates)
     trainer.config = cluster
     trainer.positions = positions
-    trainer.examples_read = skipped_examples - loop.batch_size_of(first_batch)
+    trainer.examples_read = skipped_examples - loop.examples_in(first_batch)
     trainer._input_generator = input_generator
     return trainer
 
