@@ -203,6 +203,10 @@ def agree_on(name: str, value: str, timeout_s: float = START_TIMEOUT_S) -> dict[
                                           timeout_in_ms=int(timeout_s * 1000))
         if theirs != value:
             differ[t] = theirs
+    # The leader (task 0) hosts the store: a task that refuses leaves only once every task
+    # has read it (measured: task 1's read failed with UnavailableError when task 0 refused
+    # and exited first).
+    wait_for_all(f"read/{name}", timeout_s)
     return differ
 
 
