@@ -153,3 +153,12 @@ def twin(model):
     for a, b in zip(copy.variables, model.variables, strict=True):
         a.assign(b)
     return copy
+
+
+def refusal(build) -> str:
+    """The message of the ValueError `build()` raises, asserted to be one line."""
+    with pytest.raises(ValueError) as raised:
+        build()
+    message = str(raised.value)
+    assert "\n" not in message, message
+    return message

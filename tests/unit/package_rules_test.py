@@ -4,7 +4,8 @@ Packages, lowest first: `core` (Params, NestedMap, the base layer), `layers`, `d
 (the cluster), `pipeline` (the GPipe runtime), `tasks` (what a registered model is), `keras`
 (PipelinedModel), `analysis` (prediction and observation: simulator, memory model, planner,
 traces) and `training` (the trainer). Imports read from each file's syntax tree, including
-imports inside functions.
+imports inside functions. And the tests' own layout: `tests/unit/<package>/` mirrors the
+packages, `tests/e2e/` holds what starts a process or trains a registered model.
 """
 
 from __future__ import annotations
@@ -144,3 +145,22 @@ class PackageRulesTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestLayoutTest(unittest.TestCase):
+
+    def test_every_test_file_is_in_a_tier_and_unit_tests_mirror_the_packages(self):
+        tests = os.path.join(os.path.dirname(ROOT), "tests")
+        mirrors = set(PACKAGES) | {"models", "bench"}  # The repository's tasks/ and bench/.
+        misplaced = []
+        for directory, _, files in os.walk(tests):
+            rel = os.path.relpath(directory, tests).split(os.sep)
+            for name in files:
+                if not name.endswith("_test.py"):
+                    continue
+                in_e2e = rel == ["e2e"]
+                in_unit = rel[0] == "unit" and (len(rel) == 1 or (len(rel) == 2
+                                                                  and rel[1] in mirrors))
+                if not (in_e2e or in_unit):
+                    misplaced.append(os.path.join(*rel, name))
+        self.assertEqual([], misplaced)

@@ -13,13 +13,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import twin
+from conftest import refusal, twin
 from keras_functional_test import (
     DICT_LOSS,
     dict_batch,
     masked_sequence_model,
     padded_tokens,
-    refusal,
     skip_model,
     two_in_two_out_model,
 )

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import twin
+from conftest import refusal, twin
 
 from lingvo_lite.keras import PipelinedModel
 from lingvo_lite.keras.graph_layer import GraphNodeLayer, SharedNodeLayer
@@ -289,15 +289,6 @@ def test_keras_masks_cross_cuts(pooled):
     assert "__mask " in report and "bool" in report, report  # The mask crosses the cuts.
     got = pipelined.predict(x, verbose=0)
     np.testing.assert_allclose(got, model.predict(x, verbose=0), atol=1e-6)
-
-
-def refusal(build) -> str:
-    """The message of the ValueError `build()` raises, asserted to be one line."""
-    with pytest.raises(ValueError) as raised:
-        build()
-    message = str(raised.value)
-    assert "\n" not in message, message
-    return message
 
 
 class _CallOverridden(keras.Model):

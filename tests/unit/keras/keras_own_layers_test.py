@@ -16,7 +16,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras_functional_test import check_fit, check_step, refusal
+from conftest import refusal
+from keras_functional_test import check_fit, check_step
 
 from lingvo_lite.keras import PipelinedModel
 

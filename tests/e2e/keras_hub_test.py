@@ -11,9 +11,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 keras_hub = pytest.importorskip("keras_hub")
+
+from keras_steps import LOSS, assert_step_matches  # noqa: E402
 
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 from lingvo_lite.keras.graph_layer import GraphNodeLayer, SharedNodeLayer  # noqa: E402
@@ -22,9 +23,6 @@ pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 VOCAB, SEQ = 64, 8
 SHAPES = {"token_ids": (SEQ,), "padding_mask": (SEQ,)}
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def gpt2_causal_lm() -> keras.Model:
     keras.utils.set_random_seed(7)
     backbone = keras_hub.models.GPT2Backbone(
@@ -40,31 +38,6 @@ def token_batch(n: int, seed: int = 0):
     x = {"token_ids": rng.integers(1, VOCAB, (n, SEQ)).astype("int32") * mask,
          "padding_mask": mask}
     return x, rng.integers(0, VOCAB, (n, SEQ)).astype("int32")
-
-
-def assert_step_matches(model: keras.Model, pipelined: PipelinedModel, x, y,
-                        relative: float = 0.0) -> float:
-    """The pipelined loss and every gradient equal the plain model's; the max gradient diff.
-
-    Each gradient within 2e-6, or within `relative` of its own largest element where that is
-    more (gradients of a scale where 2e-6 is below float32's rounding of sums taken in
-    another order).
-    """
-    model.compile(optimizer="sgd", loss=LOSS)
-    pipelined.compile(optimizer="sgd", loss=LOSS)
-    with tf.GradientTape() as tape:
-        want_loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
-    want = tape.gradient(want_loss, model.trainable_variables)
-    got_loss, got = pipelined.loss_and_gradients(x, y)
-    assert abs(float(got_loss) - float(want_loss)) < 1e-5
-    assert len(got) == len(want) == len(model.trainable_variables)
-    worst = 0.0
-    for v, g, w in zip(model.trainable_variables, got, want):
-        g, w = np.asarray(g), np.asarray(tf.convert_to_tensor(w))  # Embeddings: IndexedSlices.
-        np.testing.assert_allclose(
-            g, w, atol=max(2e-6, relative * float(np.abs(w).max(initial=0.0))), err_msg=v.path)
-        worst = max(worst, float(np.abs(g - w).max()))
-    return worst
 
 
 @pytest.mark.parametrize("num_cells,num_micro_batches,schedule,remat", [

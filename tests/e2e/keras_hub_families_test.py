@@ -17,10 +17,9 @@ import pytest
 
 keras_hub = pytest.importorskip("keras_hub")
 
-from conftest import REPO  # noqa: E402
-from keras_functional_test import refusal  # noqa: E402
+from conftest import REPO, refusal  # noqa: E402
 from keras_hub_families import families  # noqa: E402
-from keras_hub_test import assert_step_matches  # noqa: E402
+from keras_steps import assert_step_matches  # noqa: E402
 
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 
 keras_hub = pytest.importorskip("keras_hub")
 
-from keras_hub_test import LOSS, assert_step_matches  # noqa: E402
+from keras_steps import LOSS, assert_step_matches  # noqa: E402
 
 from lingvo_lite.keras import PipelinedModel  # noqa: E402
 
