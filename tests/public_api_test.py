@@ -111,7 +111,7 @@ if __name__ == "__main__":
     tf.test.main()
 
 
-# The README's layout: each module of the library and the level it belongs to.
+# The layout in docs/architecture.md: each module of the library and the level it belongs to.
 _LEVELS = ("params", "layers", "distributed", "pipeline", "tasks", "analysis", "trainer")
 _LEVEL_OF_MODULE = {
     "hyperparams": "params", "nested_map": "params", "dotted_path": "params", "_lazy": "params",
