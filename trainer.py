@@ -48,8 +48,8 @@ table with suggestions (text pipeline/breakdown, also printed), scalars pipeline
 trace <logdir>/train/pipeline_trace_M.json (Perfetto, chrome://tracing).
 
 --tpu=<name> (train mode; 'local' on a TPU VM) trains under tf.distribute.TPUStrategy with
---num_replicas replicas of --num_cells cores, cell k on core k of each replica (README, "TPUs";
-not verified on TPU hardware).
+--num_replicas replicas of --num_cells cores, cell k on core k of each replica (not verified on
+TPU hardware; docs/accelerators.md).
 
 --model takes a registered name (`<module under model_params>.<Class>`) or the fully-qualified path
 of a model params class, e.g. `tests.testdata_models.TinyMlp` (imported on demand; run from the
@@ -63,7 +63,7 @@ are hidden unless --tf_logs is given: by default only the project's own lines sh
 A user error (unknown model or param, bad value, missing flag or directory, a logdir or data file
 that cannot be read or written, a full disk) prints one line `trainer.py: error: ...` and exits
 with status 1. SIGINT (Ctrl-C) or SIGTERM during start-up prints one line and exits with status
-128 + the signal's number (README, "Resuming and recovery").
+128 + the signal's number (docs/recovery.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ prints, per partition:
 - the cells' sizes and the imbalance (max / mean cell cost) the cost model predicts, and the
   imbalance the measured layer profile gives the same split;
 - the busy-time imbalance really measured: max / mean of the devices' busy time in the TF
-  profiler timeline of `--profile_steps` steps (lingvo_lite/pipeline/trace_analysis.py), the mean
+  profiler timeline of `--profile_steps` steps (lingvo_lite/analysis/trace_analysis.py), the mean
   over those steps, of the same split on the shared pool (serial devices run their ops on
   TensorFlow's single-threaded executor, which the profiler does not trace op by op);
 - the median step time over interleaved rounds, and the speedup over one serial device

@@ -1,4 +1,4 @@
-"""The memory model (lingvo_lite/pipeline/memory_model.py) against measured per-device peaks.
+"""The memory model (lingvo_lite/analysis/memory_model.py) against measured per-device peaks.
 
 For each benchmark model (bench_lib.model), K in {1, 2, 4}, T in {1, 4, 8} and each schedule,
 one training step (momentum SGD, remat as given) runs with every device in its own process

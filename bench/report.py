@@ -90,10 +90,11 @@ a cell, the executor may run the chain of input gradients ahead of the weight gr
 keeps those layers' inputs and output gradients alive a little longer.
 
 Across cells that effect was larger and is now prevented: B(k-1, t) waits for the whole of
-B(k, t), weight gradients included (tests/e2e/pipeline_test.py, BackwardOrderTest). Before, cell
-k-1 could start recomputing while cell k's weight gradients were still pending, so both cells'
-activations were alive at once: four repeated T=1 measurements (2026-11-23) gave `always`
-6.3-15.2 MiB and `never` 8.3-13.2 MiB of activations; with the wait, 5.7-6.4 and 8.4-9.6.
+B(k, t), weight gradients included (tests/unit/pipeline/pipeline_test.py,
+BackwardOrderTest). Before, cell k-1 could start recomputing while cell k's weight gradients
+were still pending, so both cells' activations were alive at once: four repeated T=1
+measurements (2026-11-23) gave `always` 6.3-15.2 MiB and `never` 8.3-13.2 MiB of activations;
+with the wait, 5.7-6.4 and 8.4-9.6.
 
 `except_last` keeps the activations only of the micro-batch whose backward directly follows
 its forward on the cell's device (with the `gpipe` schedule: the last micro-batch of each

@@ -1,7 +1,7 @@
 """GPipe's Table 1 from the models' own costs: the largest model that fits per device.
 
 No TensorFlow op runs: every figure comes from the layers' FPropMeta (parameters, output and
-saved-activation bytes) and the memory model (lingvo_lite/pipeline/memory_model.py) with the
+saved-activation bytes) and the memory model (lingvo_lite/analysis/memory_model.py) with the
 partition, schedule and re-materialisation of each scenario.
 
     python bench/table1.py                 # AmoebaNet (8 GiB) and Transformer (16 GiB) tables

@@ -14,7 +14,8 @@ from lingvo_lite.keras import functional  # noqa: F401
 from lingvo_lite.keras.keras_layer import KerasLayer
 from lingvo_lite.keras.keras_loss import KerasLossLayer
 from lingvo_lite.keras.keras_task import KerasTask, functional_network_params
+from lingvo_lite.keras.pipeline_settings import PipelineSettings
 from lingvo_lite.keras.pipelined_model import PipelinedModel, pipeline_params
 
-__all__ = ["KerasLayer", "KerasLossLayer", "KerasTask", "PipelinedModel",
+__all__ = ["KerasLayer", "KerasLossLayer", "KerasTask", "PipelinedModel", "PipelineSettings",
            "functional_network_params", "pipeline_params"]

@@ -63,7 +63,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     weight in that mean (e.g. its real token count) and is summed across micro-batches.
     Those two names are reserved: they must be scalars >= 0.
 
-    Example (the README's tour): three projections and a loss, 2 cells on 2 logical CPU
+    Example (docs/tour.md): three projections and a loss, 2 cells on 2 logical CPU
     devices standing in for accelerators, 4 micro-batches.
 
     >>> import tensorflow as tf

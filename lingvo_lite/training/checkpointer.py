@@ -217,7 +217,7 @@ class CheckpointMismatchError(ValueError):
 class InputPositionMismatchError(ValueError):
     """A checkpoint's input position was saved with other input params (e.g. batch size).
 
-    Raised by `Checkpointer.restore`; the message says how to go on (see the README,
+    Raised by `Checkpointer.restore`; the message says how to go on (see docs/recovery.md,
     "Resuming and recovery").
     """
 

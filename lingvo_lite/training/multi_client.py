@@ -32,7 +32,7 @@ barrier of the service: no task leaves while another still needs its part of a c
 else single-client (`cluster.py`: task 0 drives the whole mesh, for a pipeline whose cells
 span hosts); `--cluster_mode` forces either.
 
-Example (README, "Running on several devices and hosts"): three tasks on one machine,
+Example (docs/multi_host.md, "Processes and hosts"): three tasks on one machine,
 
     for i in 0 1 2; do TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223",
       "127.0.0.1:2224"]}, "task": {"type": "worker", "index": '$i'}}' .venv/bin/python

@@ -56,7 +56,7 @@ def main(options: RunOptions, out: TextIO | None = None, err: TextIO | None = No
     stops at a step boundary itself; after the first, further signals are only noted.
 
     `trainer.py --mode=M` runs `main(RunOptions(mode=M, ...))`; the modes that need no logdir
-    run in-process in a moment (the others: README, "Registered models"):
+    run in-process in a moment (the others: docs/models.md):
 
     >>> import io
     >>> from lingvo_lite.tasks import model_registry
@@ -396,7 +396,7 @@ def _prepare_tpu_train(options: RunOptions, config: model_config.ModelConfig,
     The strategy is made before any variable: the task is built in its scope and each of its
     R replicas runs a one-replica pipeline (cell k on the replica's logical core k); the
     pipeline sums the gradients over the replicas with the replica context's all-reduce.
-    Not verified on TPU hardware (see README, "TPUs").
+    Not verified on TPU hardware (see docs/accelerators.md).
     """
     from lingvo_lite.core import devices
 

@@ -1,5 +1,5 @@
-"""Every Python block of the guide (docs/*.md) runs as written in a fresh interpreter from the
-repository root (the README's commands: readme_test.py)."""
+"""Every Python block of the README and the guide (docs/*.md) runs as written in a fresh
+interpreter from the repository root (their shell commands: readme_test.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ ROOT = pathlib.Path(REPO)
 
 def python_blocks() -> list[tuple[str, str]]:
     blocks = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for i, code in enumerate(re.findall(r"```python\n(.*?)\n```", page.read_text(), re.S)):
-            blocks.append((f"{page.name}#{i}", code))
+            blocks.append((f"{page.relative_to(ROOT)}#{i}", code))
     return blocks
 
 

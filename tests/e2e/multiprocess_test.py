@@ -149,17 +149,17 @@ class MultiProcessTrainerTest(tf.test.TestCase):
 
 @pytest.mark.slow
 class ReadmeMeshCommandsTest(tf.test.TestCase):
-    """The README's 'Running on several devices and hosts' commands, run as written.
+    """The commands of docs/multi_host.md's 'Processes and hosts', run as written.
 
     Only the interpreter (`.venv/bin/python` -> this one) and the /tmp logdirs (-> a temporary
     directory) are substituted. The `--mode=inspect_model` line is left to readme_test.py,
-    which runs every inspect command of the README.
+    which runs every inspect command of the README and the guide.
     """
 
     def test_readme_commands_train_to_the_end(self):
-        with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(REPO, "docs", "multi_host.md"), encoding="utf-8") as f:
             text = f.read()
-        section = text.split("## Running on several devices and hosts", 1)[1]
+        section = text.split("\n## Processes and hosts\n", 1)[1]
         section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]  # Not its subsections.
         blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
         self.assertLen(blocks, 2)

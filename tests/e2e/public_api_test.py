@@ -8,7 +8,9 @@ when imported. Every module declares `__all__` (`[]` for internal modules).
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import re
 import subprocess
 import sys
 import types
@@ -92,6 +94,15 @@ class PublicApiTest(tf.test.TestCase):
         self.assertIn("fprop_context", dir(lingvo_lite))
         with self.assertRaisesRegex(AttributeError, "has no attribute 'NoSuchName'"):
             getattr(lingvo_lite, "NoSuchName")
+
+    def test_the_guides_list_of_the_surface_is_the_code(self):
+        with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
+            text = f.read()
+        listed = {package: re.findall(r"`(\w+)`", names) for package, names in re.findall(
+            r"^- `(lingvo_lite[\w.]*)`: (.*?);$", text, flags=re.M | re.S)}
+        self.assertEqual(sorted(PACKAGES), sorted(listed))
+        for package, names in listed.items():
+            self.assertEqual(importlib.import_module(package).__all__, names, package)
 
     def test_importing_the_packages_loads_no_tensorflow(self):
         # trainer.py checks its flags before TensorFlow loads; the re-exports must not load it.

@@ -1,11 +1,13 @@
-"""Every command the README shows runs as written in a fresh clone (after its first command).
+"""Every command the README and the guide (docs/*.md) show runs as written in a fresh clone
+(after the README's first command).
 
 What is checked, per command (fenced `bash`/`sh` blocks, indented command blocks and inline
 commands in backticks):
 - it runs without activating anything: every program is `.venv/bin/...` (or the first
   command's `python3 -m venv`), never a bare `python`, `pip` or `tensorboard`;
 - trainer.py commands name flags trainer.py defines and models that are registered; the other
-  scripts exist and define the flags the README passes them;
+  scripts exist and define the flags the pages pass them (`python -c` and `python -` take
+  their code inline or from a here-document, whose lines are the program's input, not commands);
 - the quick ones run verbatim (only /tmp logdirs moved into a temporary directory) and exit 0:
   list_models, inspect_params, inspect_model. What the trainer prints runs as printed: the
   command `--mode=plan` chooses (for a small model, 2 steps) and the `tensorboard` command.
@@ -22,7 +24,8 @@ Not run here, and why:
   `--profile_steps` run and `tools/tensorboard_screenshot.py` (needs Chromium), and the
   benchmarks (`bench/*.py`: minutes to hours): their flags are checked;
 - the mesh and two-process commands: `tests/e2e/multiprocess_test.py` runs them as written;
-- the TPU command: needs a TPU.
+- the TPU command: needs a TPU;
+- docs/export.md's blocks: `tests/e2e/export_test.py` runs them in order, as written.
 """
 
 from __future__ import annotations
@@ -45,19 +48,47 @@ ROOT = REPO
 VENV = ".venv/bin/"
 
 
-def _readme() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def pages() -> list[str]:
+    """README.md and every page of the guide (docs/*.md), relative to the repository root."""
+    docs = sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+    return ["README.md"] + [os.path.join("docs", n) for n in docs]
+
+
+def page_text(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
         return f.read()
+
+
+def _readme() -> str:
+    return page_text("README.md")
 
 
 def readme_commands() -> list[str]:
     return re.findall(r"```bash\n(.*?)\n```", _readme(), flags=re.S)[:2]
 
 
+def _drop_heredocs(lines: list[str]) -> list[str]:
+    """The lines of a shell block without here-document bodies (a program's input, not
+    commands): `cmd <<'EOF'` keeps `cmd`, the lines up to `EOF` go."""
+    out: list[str] = []
+    end = None
+    for line in lines:
+        if end is not None:
+            if line.strip() == end:
+                end = None
+            continue
+        heredoc = re.search(r"<<-?\s*(['\"]?)(\w+)\1", line)
+        if heredoc:
+            end = heredoc.group(2)
+            line = line[:heredoc.start()]
+        out.append(line)
+    return out
+
+
 def _join_continuations(lines: list[str]) -> list[str]:
     out: list[str] = []
     pending = ""
-    for line in lines:
+    for line in _drop_heredocs(lines):
         line = line.strip()
         if line.endswith("\\"):
             pending += line[:-1] + " "
@@ -89,9 +120,12 @@ def _split_fences(text: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
     return blocks, outside
 
 
-def all_commands() -> list[str]:
-    """Every shell command line of the README (continuations joined)."""
-    blocks, outside = _split_fences(_readme())
+def all_commands(text: str | None = None) -> list[str]:
+    """Every shell command line of a page (continuations joined); without one, of README.md and
+    every page of docs/."""
+    if text is None:
+        return [c for page in pages() for c in all_commands(page_text(page))]
+    blocks, outside = _split_fences(text)
     commands: list[str] = []
     for lang, lines in blocks:
         if lang in ("bash", "sh"):
@@ -176,13 +210,23 @@ class ReadmeTest(unittest.TestCase):
         model = re.search(r"--model=(\S+)", main_command).group(1)
         self.assertIn(model, model_registry.list_models())
 
-    def test_images_the_readme_shows_exist_and_are_small(self):
-        images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", _readme())
-        self.assertTrue(images)
-        for path in images:
-            full = os.path.join(ROOT, path)
-            self.assertTrue(os.path.isfile(full), msg=path)
-            self.assertLess(os.path.getsize(full), 300 * 1024, msg=path)
+    def test_images_the_pages_show_exist_and_are_small(self):
+        shown = 0
+        for page in pages():
+            for path in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page_text(page)):
+                full = os.path.join(ROOT, os.path.dirname(page), path)
+                self.assertTrue(os.path.isfile(full), msg=f"{page}: {path}")
+                self.assertLess(os.path.getsize(full), 300 * 1024, msg=f"{page}: {path}")
+                shown += 1
+        self.assertTrue(shown)
+
+    def test_every_page_is_searched_for_commands(self):
+        self.assertIn("README.md", pages())
+        self.assertIn(os.path.join("docs", "export.md"), pages())
+        # A here-document is a program's input, not commands.
+        self.assertEqual([".venv/bin/python -", "echo done"],
+                         all_commands("```bash\n.venv/bin/python - <<'EOF'\nimport os\nEOF\n"
+                                      "echo done\n```\n"))
 
     def test_every_command_runs_without_activating_the_venv(self):
         commands = all_commands()
@@ -206,7 +250,9 @@ class ReadmeTest(unittest.TestCase):
         checked = 0
         for command in all_commands():
             for words in _programs(command):
-                if not words[0].endswith("python") or len(words) < 2 or words[1] == "-m":
+                # -m: a module; -c and -: code given inline or on stdin (a here-document).
+                if not words[0].endswith("python") or len(words) < 2 or words[1] in ("-m", "-c",
+                                                                                     "-"):
                     continue
                 script = words[1]
                 self.assertTrue(os.path.isfile(os.path.join(ROOT, script)), msg=command)
