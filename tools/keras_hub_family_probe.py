@@ -6,7 +6,7 @@ For every family in tests/keras_hub_families.py: builds the plain task model and
 the same weights, wraps the twin in `PipelinedModel(twin, input_shape=..., num_cells=2,
 num_micro_batches=2)` and compares one step's loss and every gradient with the plain model's
 (`compute_loss` under a GradientTape, as `assert_step_matches` of
-tests/unit/keras/keras_hub_test.py).
+tests/keras_steps.py).
 Prints one line per family: its name, a status and the seconds taken. Statuses:
 
     exact                 loss within 1e-5, every gradient within max(2e-6, 1e-6 * its scale)
