@@ -25,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from collections.abc import Mapping
 
-__all__ = ["Cluster", "ClusterSpecError", "JOB", "PEER_ERROR_NAMES", "is_peer_error",
-           "lost_task_message", "parse_tf_config", "peer_errors"]
+__all__ = ["AddressInUseError", "Cluster", "ClusterSpecError", "JOB", "PEER_ERROR_NAMES",
+           "check_port_free", "is_peer_error", "lost_task_message", "parse_tf_config",
+           "peer_errors"]
 
 JOB = "worker"  # Every task is a worker; task 0 (or TF_CONFIG's 'chief') is the chief.
 
@@ -180,3 +182,24 @@ def lost_task_message(cluster: Cluster, task: int | None, reason: str, advice: s
             f" ({cluster.addresses[task]})"
     return (f"{program}: error: task {cluster.task_index} lost {whom} of the cluster: "
             f"{reason}; {advice}")
+
+
+class AddressInUseError(RuntimeError):
+    """This task's port is taken; the message says by whom and how to fix it."""
+
+
+def check_port_free(cluster: Cluster) -> None:
+    """Raises AddressInUseError (one line) if this task's TCP port is held by another
+    program."""
+    port = int(cluster.address.rpartition(":")[2])
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
+    try:
+        probe.bind(("", port))
+    except OSError as e:
+        raise AddressInUseError(
+            f"TF_CONFIG task {cluster.task_index}'s address {cluster.address} is in use by "
+            f"another program (TCP port {port}: {e.strerror}); free it or give this task "
+            "another port in every process's TF_CONFIG.") from None
+    finally:
+        probe.close()

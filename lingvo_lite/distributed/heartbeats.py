@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from lingvo_lite.distributed.cluster_spec import Cluster
+from lingvo_lite.distributed.cluster_spec import AddressInUseError, Cluster, check_port_free
 
 __all__ = ["Channel", "Watchdog", "channel", "close_channel", "close_when_agreed",
            "exit_now", "open_channel", "server_answers"]
@@ -52,10 +52,6 @@ LOST_AFTER_S = 10.0  # A task silent this long is lost (as the coordination serv
 HEARTBEAT_INTERVAL_S = 1.0
 MAX_COMMAND_BYTES = 16384  # Flags longer than this travel as a digest.
 ABORT_ACK_TIMEOUT_S = 20.0  # How long a task that failed to start keeps telling the others.
-
-
-class AddressInUseError(RuntimeError):
-    """This task's port is taken; the message says by whom and how to fix it."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -283,17 +279,7 @@ def open_channel(config: Cluster, command: list[str] | None = None,
             f"({e.strerror}); free it or give this task another port in every process's "
             "TF_CONFIG.") from None
     _channel = Channel(config, sock, command, program)
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
-    try:
-        probe.bind(("", port))
-    except OSError as e:
-        raise AddressInUseError(
-            f"TF_CONFIG task {config.task_index}'s address {address} is in use by another "
-            f"program (TCP port {port}: {e.strerror}); free it or give this task another port "
-            "in every process's TF_CONFIG.") from None
-    finally:
-        probe.close()
+    check_port_free(config)
     return _channel
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +45,7 @@ from lingvo_lite.distributed.cluster_spec import (
     JOB,
     Cluster,
     ClusterSpecError,
+    check_port_free,
     is_peer_error,
     lost_task_message,
     parse_tf_config,
@@ -167,22 +167,6 @@ def from_tf_config(environ: Mapping[str, str] | None = None,
     if cluster is None:
         return None
     return initialize(cluster.addresses, cluster.task_index, **device_options)
-
-
-def check_port_free(cluster: Cluster) -> None:
-    """Raises RuntimeError (one line) if this task's TCP port is held by another program."""
-    port = int(cluster.address.rpartition(":")[2])
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
-    try:
-        probe.bind(("", port))
-    except OSError as e:
-        raise RuntimeError(
-            f"TF_CONFIG task {cluster.task_index}'s address {cluster.address} is in use by "
-            f"another program (TCP port {port}: {e.strerror}); free it or give this task "
-            "another port in every process's TF_CONFIG.") from None
-    finally:
-        probe.close()
 
 
 def agree_on(name: str, value: str, timeout_s: float = START_TIMEOUT_S) -> dict[int, str]:

@@ -42,7 +42,13 @@ from collections.abc import Mapping
 from lingvo_lite.distributed import heartbeats
 
 # The heartbeats live in distributed/heartbeats.py (Keras in a TF_CONFIG cluster uses them too).
-from lingvo_lite.distributed.cluster_spec import JOB, Cluster, ClusterSpecError, parse_tf_config
+from lingvo_lite.distributed.cluster_spec import (
+    JOB,
+    AddressInUseError,
+    Cluster,
+    ClusterSpecError,
+    parse_tf_config,
+)
 from lingvo_lite.distributed.heartbeats import (  # noqa: F401 -- this module's names too.
     ABORT_ACK_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
@@ -100,7 +106,7 @@ def open_channel(config: Cluster, command: list[str] | None = None) -> Channel:
     _command = command
     try:
         return heartbeats.open_channel(config, command)
-    except heartbeats.AddressInUseError as e:
+    except AddressInUseError as e:
         raise UsageError(str(e)) from None
 
 
