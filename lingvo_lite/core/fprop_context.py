@@ -14,6 +14,10 @@
 - `updates`: an `UpdateCollector` that layers with non-gradient state (batch
   norm's moving statistics) report to; the caller applies the pooled updates
   once per mini-batch. `None` during recomputation, so nothing is counted twice.
+- `jit_compile`: the pipeline's cells are compiled with XLA. Random layers whose
+  draws differ between XLA and TensorFlow's kernels then draw with XLA's, also
+  in a forward the pipeline runs uncompiled, as a plain model compiled with XLA
+  draws all of its values.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class FPropContext:
     example_offset: Any = 0
     batch_dim: int = 0
     updates: UpdateCollector | None = None
+    jit_compile: bool = False
 
 
 _local = threading.local()

@@ -413,7 +413,7 @@ def _patch_dropout(layer: keras.layers.Dropout) -> None:
         shared = layer.noise_shape is not None and layer.noise_shape[0] == 1
         return keras_random.dropout(inputs, layer.rate, concrete,
                                     layer.seed_generator.state.value, rec.ctx.example_offset,
-                                    shared)
+                                    shared, xla=rec.ctx.jit_compile)
 
     object.__setattr__(layer, "call", call)
 
@@ -449,18 +449,19 @@ def _draws(layer: keras.layers.Layer) -> bool:
 
 
 def refuse_random_under_xla(layers: Any) -> None:
-    """Refuses (one line) XLA for cells with a layer that draws random numbers in training:
-    its per-micro-batch draws under XLA are not verified equal to Keras' (see the docs)."""
+    """Refuses (one line) XLA for cells with a layer that draws normal noise in training:
+    XLA draws a normal tensor as pairs across its whole batch, so a micro-batch cannot
+    draw its rows of it (keras_random). Dropout draws uniform values: exact under XLA."""
     for layer in layers:
         if not isinstance(layer, keras.layers.Layer):
             continue
         for sub in _sublayers(layer):
-            if isinstance(sub, _DROPOUT_CLASSES + _NOISE_CLASSES) and _draws(sub):
+            if isinstance(sub, _NOISE_CLASSES) and _draws(sub):
                 raise ValueError(
                     f"PipelinedModel.compile: jit_compile=True with Keras layer '{sub.name}' "
-                    f"({type(sub).__name__}), which draws random numbers: its micro-batches' "
-                    "draws under XLA do not reproduce Keras' yet; use jit_compile=False (or "
-                    "'auto', which is False on CPUs).")
+                    f"({type(sub).__name__}), which draws normal noise: XLA pairs the values "
+                    "of a whole batch's draw, so no micro-batch can draw its rows of it; use "
+                    "jit_compile=False (or 'auto', which is False on CPUs).")
 
 
 def _patch_batch_norm(layer: keras.layers.BatchNormalization) -> None:

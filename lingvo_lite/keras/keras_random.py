@@ -12,6 +12,13 @@ slice is produced by advancing the 128-bit counter by (o * per_example) // 4 blo
 and dropping the first (o * per_example) % 4 values. Bit for bit what Keras draws for
 the whole batch (tests/unit/keras/keras_layer_test.py checks it against Keras' own ops).
 
+Compiled with XLA, the same ops draw other values (XLA's generator, same counter
+layout), so a plain model compiled with XLA draws XLA's values: with `xla=True` the
+slice is drawn by an XLA-compiled function, also when the pipeline calls the layer
+from an uncompiled forward. XLA's normal distribution pairs element i with element
+i + N/2 of the whole N-element draw (Box-Muller over the two halves), so a
+micro-batch's rows cannot be drawn alone: normal draws have no XLA form here.
+
 Example:
     >>> import numpy as np
     >>> state = tf.constant([7, 0], tf.int64)
@@ -51,7 +58,8 @@ def _shifted_key_counter(seed: tf.Tensor, start: Any) -> tuple[tf.Tensor, tf.Ten
 
 
 def stream_slice(kind: str, noise_shape: Any, state: Any, example_offset: Any,
-                 dtype: tf.DType = tf.float32, shared: bool = False) -> tf.Tensor:
+                 dtype: tf.DType = tf.float32, shared: bool = False,
+                 xla: bool = False) -> tf.Tensor:
     """Rows [example_offset, example_offset + noise_shape[0]) of Keras' full-batch draw.
 
     Args:
@@ -63,11 +71,22 @@ def stream_slice(kind: str, noise_shape: Any, state: Any, example_offset: Any,
       dtype: float dtype of the values.
       shared: every example shares one draw (a noise shape of 1 along the batch):
         then the offset is ignored.
+      xla: draw XLA's values (what the op gives compiled with XLA); 'uniform' only.
 
     Returns:
       A tensor of `noise_shape`, equal to the corresponding slice of what
       `tf.random.stateless_<kind>(full_shape, keras_seed(state))` returns.
     """
+    if xla:
+        if kind != "uniform":
+            raise ValueError(f"stream_slice: no XLA form of a '{kind}' draw's slice.")
+        return _xla_uniform_slice(tf.convert_to_tensor(noise_shape), state, example_offset,
+                                  dtype, shared)
+    return _stream_slice(kind, noise_shape, state, example_offset, dtype, shared)
+
+
+def _stream_slice(kind: str, noise_shape: Any, state: Any, example_offset: Any,
+                  dtype: tf.DType, shared: bool) -> tf.Tensor:
     shape = tf.cast(tf.convert_to_tensor(noise_shape), tf.int64)
     if shared:
         start = tf.constant(0, tf.int64)
@@ -82,11 +101,18 @@ def stream_slice(kind: str, noise_shape: Any, state: Any, example_offset: Any,
     return tf.reshape(values[lead:], shape)
 
 
+@tf.function(jit_compile=True, autograph=False)
+def _xla_uniform_slice(noise_shape: tf.Tensor, state: Any, example_offset: Any,
+                       dtype: tf.DType, shared: bool) -> tf.Tensor:
+    return _stream_slice("uniform", noise_shape, state, example_offset, dtype, shared)
+
+
 def dropout(x: tf.Tensor, rate: float, noise_shape: Any, state: Any,
-            example_offset: Any, shared: bool = False) -> tf.Tensor:
+            example_offset: Any, shared: bool = False, xla: bool = False) -> tf.Tensor:
     """`keras.random.dropout(x, rate, noise_shape, seed)` as rows of the full batch's.
 
     `shared`: the noise shape is 1 along the batch (one mask for every example).
+    `xla`: the mask a model compiled with XLA draws.
     """
     x = tf.convert_to_tensor(x)
     if rate >= 1.0:
@@ -94,7 +120,7 @@ def dropout(x: tf.Tensor, rate: float, noise_shape: Any, state: Any,
     if rate <= 0.0:
         return x
     # The same ops, in the same order, as tf.nn.experimental.stateless_dropout.
-    noise = stream_slice("uniform", noise_shape, state, example_offset, x.dtype, shared)
+    noise = stream_slice("uniform", noise_shape, state, example_offset, x.dtype, shared, xla)
     noise = noise * (tf.constant(1.0, x.dtype) - tf.constant(0.0, x.dtype)) + tf.constant(
         0.0, x.dtype)
     scaled = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)

@@ -31,13 +31,14 @@ What matches the unpipelined Sequential (tests/unit/keras/pipelined_model_test.p
   compile settings).
 
 Refused up front with a one-line ValueError naming the setting and what to do instead:
-`jit_compile=True`; several losses or loss weights (a layer stack has one output); a
-loss with reduction='none'; layers that call `add_loss` or have activity regularizers;
-an optimizer other than SGD with a trainable Embedding after the first layer (Keras
-squares each token occurrence's sparse gradient separately, the pipeline's gradient of a
-pipelined layer is a dense sum; a leading Embedding runs before the pipeline, on cell 0's
-device, and gets Keras' sparse gradient from the pipeline's input gradient); a
-`.weights.h5` file of another model in `load_weights`.
+`jit_compile=True` with a GaussianNoise or GaussianDropout layer; several losses or loss
+weights (a layer stack has one output); a loss with reduction='none'; layers that call
+`add_loss` or have activity regularizers; an optimizer other than SGD with a trainable
+Embedding after the first layer (Keras squares each token occurrence's sparse gradient
+separately, the pipeline's gradient of a pipelined layer is a dense sum; a leading
+Embedding runs before the pipeline, on cell 0's device, and gets Keras' sparse gradient
+from the pipeline's input gradient); a `.weights.h5` file of another model in
+`load_weights`.
 
 Training needs equal batches (the pipeline splits a static mini-batch into T
 micro-batches): `fit` on arrays needs a batch_size dividing the number of training

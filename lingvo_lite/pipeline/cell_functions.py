@@ -352,7 +352,7 @@ class CellFunctions:
         collector = fprop_context.UpdateCollector() if ctx.collect_updates else None
         with self._scope(op_names.FPROP, inline), fprop_context.fprop_context(
                 training=ctx.training, batch_dim=ctx.batch_dim, example_offset=offset,
-                step_seed=seed, updates=collector):
+                step_seed=seed, updates=collector, jit_compile=self._jit_compile):
             y = self._body(theta, x)
         reports = [(layer, s) for layer, per_call in (collector.items() if collector else [])
                    for s in per_call]
@@ -438,7 +438,7 @@ class CellFunctions:
                 tape.watch(x_sources + sources)
                 with tf.name_scope(op_names.RECOMPUTE_SCOPE), fprop_context.fprop_context(
                         training=ctx.training, batch_dim=ctx.batch_dim, example_offset=offset,
-                        step_seed=seed, updates=None):
+                        step_seed=seed, updates=None, jit_compile=self._jit_compile):
                     y = self._body(theta, x)
             ys, dys = float_outputs_and_gradients(y, dy_leaves)
             # Deferred weights get no gradient here (None), nor do weights that only they use.

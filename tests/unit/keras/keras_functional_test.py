@@ -512,6 +512,24 @@ def test_jit_compile_fit_matches_plain_keras_compiled():
         np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)
 
 
+def test_jit_compile_with_dropout_on_a_branch_matches_plain_keras_compiled():
+    # Under XLA each micro-batch draws its rows of XLA's whole-batch mask.
+    keras.utils.set_random_seed(45)
+    inp = keras.Input((6,), name="features")
+    h = keras.layers.Dense(12, activation="tanh", name="a")(inp)
+    left = keras.layers.Dropout(0.4, name="drop")(keras.layers.Dense(12, name="l")(h))
+    model = keras.Model(inp, keras.layers.Dense(3, name="out")(keras.layers.Add()([h, left])))
+    x, y = batch(16)
+    pipelined = PipelinedModel(twin(model), num_cells=2, num_micro_batches=4)
+    initial = model.get_weights()
+    for m in (model, pipelined):
+        m.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        m.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(model.get_weights(), initial)) > 1e-3
+    for a, b in zip(pipelined.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=WEIGHT_TOL)
+
+
 def scaled_by_a_constant_model() -> keras.Model:
     """A tensor constant as a call argument (keras-hub Gemma's sqrt(hidden_dim))."""
     keras.utils.set_random_seed(44)

@@ -53,13 +53,13 @@ class _NoXlaKernel(keras.layers.Layer):
         return x + tf.ensure_shape(zeros, x.shape)
 
 
-def _pair(make_layers, input_shape=(D,), num_micro_batches=4, num_cells=2
+def _pair(make_layers, input_shape=(D,), num_micro_batches=4, num_cells=2, **settings
           ) -> tuple[keras.Sequential, PipelinedModel]:
     """The plain Sequential and a PipelinedModel with the same initial weights."""
     keras.utils.set_random_seed(11)
     plain = keras.Sequential([keras.Input(input_shape), *make_layers()])
     pipelined = PipelinedModel(plain, num_cells=num_cells, num_micro_batches=num_micro_batches,
-                               partition_method="uniform")
+                               partition_method="uniform", **settings)
     keras.utils.set_random_seed(11)
     plain = keras.Sequential([keras.Input(input_shape), *make_layers()])
     return plain, pipelined
@@ -221,11 +221,26 @@ class SettingsTest(tf.test.TestCase):
         _, pipelined = _pair(_dense_stack)
         pipelined.compile(optimizer="sgd", loss="mse", jit_compile="auto")
         self.assertFalse(pipelined.cells_jit_compile)  # As Keras resolves it on a CPU.
-        _, dropped = _pair(lambda: [keras.layers.Dense(8), keras.layers.Dropout(0.2, name="drop"),
-                                    keras.layers.Dense(CLASSES)])
+        _, noisy = _pair(lambda: [keras.layers.Dense(8), keras.layers.GaussianNoise(0.1, name="n"),
+                                  keras.layers.Dense(CLASSES)])
         self.assert_one_line_refusal(
-            "jit_compile=True with Keras layer 'drop' \\(Dropout\\), which draws random numbers",
-            lambda: dropped.compile(loss="mse", jit_compile=True))
+            "jit_compile=True with Keras layer 'n' \\(GaussianNoise\\), which draws normal noise",
+            lambda: noisy.compile(loss="mse", jit_compile=True))
+
+    def test_jit_compile_with_dropout_draws_what_plain_keras_draws_under_xla(self):
+        # XLA's uniform draw differs from TensorFlow's kernel's: every micro-batch draws its
+        # rows of XLA's whole-batch mask, also in forwards run uncompiled (except_last's last).
+        def dropped():
+            return [keras.layers.Dense(16, activation="tanh"),
+                    keras.layers.Dropout(0.3), keras.layers.Dense(16, activation="tanh"),
+                    keras.layers.Dropout(0.5),
+                    keras.layers.Dense(CLASSES)]
+        compiled = dict(loss=_sparse_xent(), jit_compile=True)
+        for cells, micro_batches, remat in ((1, 1, "except_last"), (2, 4, "except_last"),
+                                            (2, 2, "never"), (3, 4, "always")):
+            with self.subTest(cells=cells, micro_batches=micro_batches, remat=remat):
+                self.assert_same_fit(dropped, compiled, num_cells=cells,
+                                     num_micro_batches=micro_batches, remat=remat)
 
     # -- mixed precision ---------------------------------------------------------------
 
