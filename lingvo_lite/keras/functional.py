@@ -140,10 +140,15 @@ def layer_params(plan: GraphPlan, live: bool = False) -> list[Any]:
             p = graph_layer.SharedNodeLayer.Params().Set(
                 imports=[_weight_map_key(plan, owner, key)
                          for owner, key in node.weights_from or []], **layer)
+        masks_in = [k for k in dict.fromkeys(reads) if k in plan.masks]
         params.append(p.Set(name=f"node_{i}_{node.name}", call=node.call, outputs=node.outputs,
                             specs=specs, drop=sorted(set(drops.get(i, []))),
-                            masks_in=[k for k in dict.fromkeys(reads) if k in plan.masks],
+                            masks_in=masks_in,
                             masks_out=[k for k in node.outputs if k in plan.masks]))
+        if live and node.weights_from is None:
+            read_specs = {k: plan.specs[k] for k in dict.fromkeys(reads)}
+            read_specs.update({graph_layer.mask_key(k): plan.masks[k] for k in masks_in})
+            graph_layer.check_node_call(p, read_specs)
     masked = [k for k in tree.flatten(plan.outputs) if k in plan.masks]
     if masked and not isinstance(plan.outputs, str):
         raise ValueError(f"PipelinedModel: outputs {masked} carry Keras masks; masked outputs "

@@ -50,7 +50,7 @@ from lingvo_lite.keras import keras_flops, keras_layer
 from lingvo_lite.keras.graph_loss import GraphLossLayer
 
 __all__ = ["CONSTANT_REF", "GraphLossLayer", "GraphNodeLayer", "GraphOutputLayer",
-           "SharedNodeLayer", "SLICE_REF", "TENSOR_REF", "mask_key"]
+           "SharedNodeLayer", "SLICE_REF", "TENSOR_REF", "check_node_call", "mask_key"]
 
 # How a node's call arguments refer to a tensor of the map: {"__tensor__": key}, how they
 # hold a Python slice: {"__slice__": [start, stop, step]}, and a tensor constant:
@@ -125,6 +125,28 @@ def _call_node(layer: Any, p: hyperparams.Params, live: NestedMap, trainable: li
         if scope.losses:
             raise ValueError(keras_layer.added_loss_error(layer))
     return tree.flatten(outputs), [a is not b for a, b in zip(after, before)]
+
+
+def check_node_call(p: hyperparams.Params, specs: dict[str, Any]) -> None:
+    """Traces the node's training call once (nothing runs), so that a layer which adds a
+    loss (add_loss) or draws random numbers outside Keras' seed generators is refused in
+    one line when the model is planned, not at its first step.
+
+    `specs`: {key: (shape without batch, dtype)} of what the node reads, masks included.
+    """
+    layer = keras_layer.live_layer_of(p)
+    if not isinstance(layer, keras.layers.Layer):
+        return
+    keys = list(specs)
+
+    def training_call(*tensors: tf.Tensor) -> None:
+        live = NestedMap(dict(zip(keys, tensors)))
+        with keras_layer.refusing_raw_random(layer):
+            _call_node(layer, p, live, [v.value for v in layer.trainable_variables],
+                       [v.value for v in layer.non_trainable_variables], training=True)
+
+    tensor_specs = [tf.TensorSpec([None, *shape], dtype) for shape, dtype in specs.values()]
+    tf.function(training_call, autograph=False).get_concrete_function(*tensor_specs)
 
 
 def _next_map(live: NestedMap, p: hyperparams.Params, outputs: list[Any],

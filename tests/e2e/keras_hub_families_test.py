@@ -56,7 +56,7 @@ def test_family_trains_as_plain_keras_or_is_refused(spec):
     pipelined = PipelinedModel(spec.build(), num_cells=2,
                                num_micro_batches=1 if batch_norm else 2)
     x, y = spec.batch(8)
-    if expected.startswith("refused"):
+    if expected.startswith("refused"):  # When the first batch plans it (token ids of any length).
         pipelined.compile(optimizer="sgd", loss=spec.loss)
         message = refusal(lambda: pipelined.loss_and_gradients(x, y))
         assert "adds a loss in its call (add_loss)" in message

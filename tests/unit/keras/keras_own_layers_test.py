@@ -171,18 +171,18 @@ def _functional(middle: keras.layers.Layer) -> keras.Model:
      "(RandomStandardNormal"),
 ])
 def test_what_cannot_be_exact_is_refused_in_one_line(middle, expected):
-    # A layer stack is checked when the PipelinedModel is made; a functional model's nodes
-    # when the training step is traced: before any step runs, either way.
+    # Both model kinds are checked when the PipelinedModel is made (its layers' training
+    # calls traced, nothing run); a model without input shapes when fit plans it.
     x, y = feature_batch(8)
     sequential = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), middle(),
                                    keras.layers.Dense(3)])
     for model in (_functional(middle()), sequential):
-        def build_and_fit(model=model):
-            pipelined = PipelinedModel(model, num_cells=2, num_micro_batches=2)
-            pipelined.compile(optimizer="sgd", loss="mse")
-            pipelined.fit(x, y, batch_size=8, verbose=0)
-
-        assert refusal(build_and_fit).startswith(expected)
+        assert refusal(lambda model=model: PipelinedModel(
+            model, num_cells=2, num_micro_batches=2)).startswith(expected)
+    unshaped = keras.Sequential([keras.layers.Dense(4), middle(), keras.layers.Dense(3)])
+    pipelined = PipelinedModel(unshaped, num_cells=2, num_micro_batches=2)
+    pipelined.compile(optimizer="sgd", loss="mse")
+    assert refusal(lambda: pipelined.fit(x, y, batch_size=8, verbose=0)).startswith(expected)
 
 
 class TiedHead(keras.layers.Layer):
