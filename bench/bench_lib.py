@@ -334,3 +334,13 @@ def profiled_steps(fn: Callable, arg, num_steps: int = 3) -> tuple[list[list], s
 
 def median(values) -> float:
     return float(statistics.median(values))
+
+
+def paired_ratio(samples: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of numerator's sample / denominator's sample of the same round.
+
+    Samples of one round of `interleaved` were taken seconds apart, so their ratio cancels
+    what drifts over a run (this machine's speed swings by 15-30% over tens of seconds with
+    nothing else running: GPT-2 K=1 steps measured between 456 and 640 ms in one process).
+    """
+    return median([a / b for a, b in zip(samples[numerator], samples[denominator])])
