@@ -12,7 +12,6 @@ decode and greedy loop, not the export code). A K=1 checkpoint of the K=4 run's 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -24,67 +23,21 @@ import tempfile
 import numpy as np
 import pytest
 import tensorflow as tf
+import toy_mt
 from conftest import REPO, launch_trainer
+from toy_mt import run_trainer
 
 from lingvo_lite.core import fprop_context
 from lingvo_lite.core.nested_map import NestedMap
-from lingvo_lite.tasks import model_registry
-from lingvo_lite.training import checkpointer, model_config, options, runner
+from lingvo_lite.training import checkpointer, model_config, options
 from tasks.image import input_generator as image_input
-from tasks.mt import input_generator, model
 from tasks.text import char_lm_input
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 
 BLOCKED = ("lingvo_lite", "tasks", "model_params")
-WORDS = ["red", "blue", "green", "cat", "dog", "big", "small", "old"]
-
-
-def _write_toy_corpus(directory: str) -> None:
-    """A toy 'translation': the source words reversed and upper-cased."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 200), ("dev", 16), ("test", 16)):
-        src = [" ".join(rng.choice(WORDS, size=rng.integers(2, 5))) for _ in range(n)]
-        with open(os.path.join(directory, f"{split}.src"), "w") as f:
-            f.writelines(s + "\n" for s in src)
-        with open(os.path.join(directory, f"{split}.tgt"), "w") as f:
-            f.writelines(" ".join(reversed(s.upper().split())) + "\n" for s in src)
-
-
-class TinyMt(model_registry.SingleTaskModelParams):
-    """A 1+1-layer Transformer on the toy corpus of $EXPORT_TEST_MT_DIR (not registered)."""
-
-    def _input(self, split: str):
-        p = input_generator.ParallelTextInput.Params().Set(
-            name=split, data_dir=os.environ["EXPORT_TEST_MT_DIR"], generate="", split=split,
-            vocab_size=40, max_source_length=12, max_target_length=12, batch_size=16)
-        if split != "train":
-            p.Set(shuffle=False, repeat=False, batch_size=8)
-        return p
-
-    def Train(self):
-        return self._input("train")
-
-    def Dev(self):
-        return self._input("dev")
-
-    def Test(self):
-        return self._input("test")
-
-    def Task(self):
-        p = model.transformer_task_params("tiny", 40, 16, 32, 2, 1, 16, 12, 12, num_cells=2,
-                                          num_micro_batches=2)
-        p.decoder.beam_size = 2
-        p.train.Set(learning_rate=1e-2, max_steps=40, save_interval_steps=40,
-                    log_interval_steps=20, summary_interval_steps=20)
-        return p
-
-
-def _run(**kwargs) -> tuple[int, str, str]:
-    """runner.main in-process; (status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    status = runner.main(options.RunOptions(**kwargs), out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+class TinyMt(toy_mt.ToyMt):
+    MAX_STEPS = 40
 
 
 def _export_path(logdir: str) -> str:
@@ -230,20 +183,20 @@ class ExportTest(tf.test.TestCase):
                 ("image", dict(model="image.AmoebaNetDigits", max_steps=2)),
                 ("keras_k4", dict(model="keras_digits.ResNetDigits", max_steps=2, num_cells=4)),
                 ("char_lm", dict(model="keras_gpt2.GPT2CharLM", max_steps=2))):
-            cls.results[key] = _run(logdir=d[key], mode="train", **kw)
-            cls.results[key + "/export"] = _run(logdir=d[key], mode="export", **kw)
+            cls.results[key] = run_trainer(logdir=d[key], mode="train", **kw)
+            cls.results[key + "/export"] = run_trainer(logdir=d[key], mode="export", **kw)
         _write_k1_copy("keras_digits.ResNetDigits", d["keras_k4"], d["keras_k1"])
-        cls.results["keras_k1/export"] = _run(model="keras_digits.ResNetDigits",
-                                              logdir=d["keras_k1"], mode="export", num_cells=1)
+        cls.results["keras_k1/export"] = run_trainer(
+            model="keras_digits.ResNetDigits", logdir=d["keras_k1"], mode="export", num_cells=1)
         mt_data = os.path.join(cls.root, "mt_data")
         os.makedirs(mt_data)
-        _write_toy_corpus(mt_data)
-        os.environ["EXPORT_TEST_MT_DIR"] = mt_data
+        toy_mt.write_toy_corpus(mt_data)
+        os.environ[toy_mt.DATA_DIR_ENV] = mt_data
         mt_name = f"{__name__}.TinyMt"
-        cls.results["mt"] = _run(model=mt_name, logdir=d["mt"], mode="train")
-        cls.results["mt/export"] = _run(model=mt_name, logdir=d["mt"], mode="export")
-        cls.results["mt/decode"] = _run(model=mt_name, logdir=d["mt"], mode="decode",
-                                        eval_splits=("test",))
+        cls.results["mt"] = run_trainer(model=mt_name, logdir=d["mt"], mode="train")
+        cls.results["mt/export"] = run_trainer(model=mt_name, logdir=d["mt"], mode="export")
+        cls.results["mt/decode"] = run_trainer(model=mt_name, logdir=d["mt"], mode="decode",
+                                               eval_splits=("test",))
         for key, (status, _, err) in cls.results.items():
             assert status == 0, f"{key}: {err[-3000:]}"
         cls.exports = {k: _export_path(v) for k, v in d.items()}
@@ -253,7 +206,7 @@ class ExportTest(tf.test.TestCase):
 
     @classmethod
     def tearDownClass(cls) -> None:
-        os.environ.pop("EXPORT_TEST_MT_DIR", None)
+        os.environ.pop(toy_mt.DATA_DIR_ENV, None)
         shutil.rmtree(cls.root, ignore_errors=True)
         super().tearDownClass()
 
@@ -381,27 +334,28 @@ class ExportTest(tf.test.TestCase):
                                    r"add a method Inference\(self\)")
 
     def test_logdir_without_checkpoint_is_refused_in_one_line(self):
-        status, _, err = _run(model="keras_digits.ResNetDigits", mode="export",
-                              logdir=os.path.join(self.root, "empty"))
+        status, _, err = run_trainer(model="keras_digits.ResNetDigits", mode="export",
+                                     logdir=os.path.join(self.root, "empty"))
         self.assertEqual(1, status)
         self.assertEqual([f"trainer.py: error: no checkpoint in {self.root}/empty/checkpoints to "
                           "export, train first (--mode=train with the same --logdir)."],
                          err.strip().splitlines())
 
     def test_export_checkpoint_names_a_step_or_path_else_one_line(self):
-        status, out, err = _run(model="keras_digits.ResNetDigits", mode="export", num_cells=4,
-                                logdir=self.dirs["keras_k4"], export_checkpoint="7")
+        status, out, err = run_trainer(model="keras_digits.ResNetDigits", mode="export",
+                                       num_cells=4, logdir=self.dirs["keras_k4"],
+                                       export_checkpoint="7")
         self.assertEqual(1, status)
         self.assertEqual(1, len(err.strip().splitlines()), msg=err)
         self.assertIn("--export_checkpoint=7: ", err)
         self.assertIn("checkpoints in", err)
         path = checkpointer.latest_checkpoint(self.dirs["keras_k1"])
-        status, out, err = _run(model="keras_digits.ResNetDigits", mode="export",
-                                logdir=self.dirs["keras_k1"], export_checkpoint=path)
+        status, out, err = run_trainer(model="keras_digits.ResNetDigits", mode="export",
+                                       logdir=self.dirs["keras_k1"], export_checkpoint=path)
         self.assertEqual(0, status, msg=err)
         self.assertIn(f"Exporting {path} (global step 2)", out)
-        status, _, err = _run(model="keras_digits.ResNetDigits", mode="eval",
-                              logdir=self.dirs["keras_k1"], export_checkpoint="2")
+        status, _, err = run_trainer(model="keras_digits.ResNetDigits", mode="eval",
+                                     logdir=self.dirs["keras_k1"], export_checkpoint="2")
         self.assertEqual(["trainer.py: error: --export_checkpoint only applies to --mode=export, "
                           "not --mode=eval; drop it."], err.strip().splitlines())
 

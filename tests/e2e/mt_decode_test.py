@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
+import toy_mt
+from toy_mt import run_trainer
 
-from lingvo_lite.tasks import model_registry
-from lingvo_lite.training import options, runner
-from tasks.mt import input_generator, model, search
+from tasks.mt import model, search
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -93,66 +92,21 @@ def test_bleu_identical_is_100_and_disjoint_is_0():
 
 # ---- End to end on a user's own files. -----------------------------------------------------
 
-WORDS = ["red", "blue", "green", "cat", "dog", "big", "small", "old"]
-
-
-def _write_user_corpus(d: str) -> None:
-    """A toy 'translation': the source words reversed and upper-cased."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 200), ("dev", 16), ("test", 16)):
-        src = [" ".join(rng.choice(WORDS, size=rng.integers(2, 5))) for _ in range(n)]
-        with open(os.path.join(d, f"{split}.src"), "w") as f:
-            f.writelines(s + "\n" for s in src)
-        with open(os.path.join(d, f"{split}.tgt"), "w") as f:
-            f.writelines(" ".join(reversed(s.upper().split())) + "\n" for s in src)
-
-
-class TinyUserMt(model_registry.SingleTaskModelParams):
-    """TransformerSmall, shrunk, on the files of $MT_TEST_DATA_DIR (not registered)."""
-
-    def _input(self, split):
-        p = input_generator.ParallelTextInput.Params().Set(
-            name=split, data_dir=os.environ["MT_TEST_DATA_DIR"], generate="", split=split,
-            vocab_size=40, max_source_length=12, max_target_length=12, batch_size=16)
-        if split != "train":
-            p.Set(shuffle=False, repeat=False, batch_size=8)
-        return p
-
-    def Train(self):
-        return self._input("train")
-
-    def Dev(self):
-        return self._input("dev")
-
-    def Test(self):
-        return self._input("test")
-
-    def Task(self):
-        p = model.transformer_task_params("tiny", 40, 16, 32, 2, 1, 16, 12, 12, num_cells=2,
-                                          num_micro_batches=2)
-        p.decoder.beam_size = 2
-        p.train.Set(learning_rate=1e-2, max_steps=4, save_interval_steps=4,
-                    log_interval_steps=2, summary_interval_steps=2)
-        return p
-
-
-def _run(**kw):
-    out, err = io.StringIO(), io.StringIO()
-    status = runner.main(options.RunOptions(**kw), out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+class TinyUserMt(toy_mt.ToyMt):
+    """TransformerSmall, shrunk, on the user's own files (not registered)."""
 
 
 def test_user_files_train_and_decode_end_to_end(tmp_path, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()
-    _write_user_corpus(str(data))
-    monkeypatch.setenv("MT_TEST_DATA_DIR", str(data))
+    toy_mt.write_toy_corpus(str(data))
+    monkeypatch.setenv(toy_mt.DATA_DIR_ENV, str(data))
     logdir = str(tmp_path / "log")
     name = f"{__name__}.TinyUserMt"
-    status, out, err = _run(model=name, logdir=logdir, mode="train")
+    status, out, err = run_trainer(model=name, logdir=logdir, mode="train")
     assert status == 0, err
     assert os.path.exists(os.path.join(str(data), "spm_40.model"))
-    status, out, err = _run(model=name, logdir=logdir, mode="decode", eval_splits=("test",))
+    status, out, err = run_trainer(model=name, logdir=logdir, mode="decode", eval_splits=("test",))
     assert status == 0, err
     assert "bleu" in out
     path = os.path.join(logdir, "decode_test", "hypotheses_4.txt")
@@ -162,14 +116,14 @@ def test_user_files_train_and_decode_end_to_end(tmp_path, monkeypatch):
 
 
 def test_decode_without_checkpoint_is_a_user_error(tmp_path):
-    status, _, err = _run(model="mt.TransformerSmall", logdir=str(tmp_path / "none"),
-                          mode="decode")
+    status, _, err = run_trainer(model="mt.TransformerSmall", logdir=str(tmp_path / "none"),
+                                 mode="decode")
     assert status == 1 and "train first" in err
 
 
 def test_inspect_model_128_layers_has_6b_params():
-    status, out, err = _run(model="mt.TransformerT64_16384_32", mode="inspect_model",
-                            inspect_num_cells=(8, 16, 128))
+    status, out, err = run_trainer(model="mt.TransformerT64_16384_32", mode="inspect_model",
+                                   inspect_num_cells=(8, 16, 128))
     assert status == 0, err
     assert "131 layers" in out  # Embedding, 64 encoder, hand-over, 64 decoder, softmax.
     total = [line for line in out.splitlines() if line.startswith("Total parameters")][0]
