@@ -344,3 +344,78 @@ def paired_ratio(samples: dict[str, list[float]], numerator: str, denominator: s
     nothing else running: GPT-2 K=1 steps measured between 456 and 640 ms in one process).
     """
     return median([a / b for a, b in zip(samples[numerator], samples[denominator])])
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster probes: task processes started, watched and stopped by the probe scripts.
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free at the moment of the call."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProbeTasks:
+    """Task processes `python -c script <spec as JSON>`, started in the order of `specs`
+    ({task index: spec}), their output lines kept with the time each was read.
+
+    Only these processes are stopped (`stop`), by PID.
+    """
+
+    def __init__(self, script: str, specs: dict[int, dict], log_level: str = "2") -> None:
+        import json
+        import subprocess
+        import threading
+
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=log_level)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.lines: dict[int, list[tuple[float, str]]] = {}
+        for index, spec in specs.items():
+            proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(spec)], env=env,
+                                    text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.procs[index], self.lines[index] = proc, []
+
+            def read(proc=proc, lines=self.lines[index]) -> None:
+                for line in proc.stdout:
+                    lines.append((time.monotonic(), line.rstrip()))
+            threading.Thread(target=read, daemon=True).start()
+
+    def wait_for(self, index: int, text: str, timeout_s: float = 240) -> None:
+        """Waits until task `index` prints `text`; exits with its last lines if it ends or
+        the time is up first."""
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for _, line in self.lines[index]):
+            if time.monotonic() > deadline or self.procs[index].poll() is not None:
+                print("\n".join(line for _, line in self.lines[index][-30:]))
+                raise SystemExit(f"task {index} never printed {text!r}")
+            time.sleep(0.05)
+
+    def wait(self, index: int, timeout_s: float) -> int | None:
+        """Task `index`'s exit status, or None if it still runs after `timeout_s`."""
+        import subprocess
+
+        try:
+            return self.procs[index].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def print_since(self, index: int, since: float, label: str) -> None:
+        """Task `index`'s lines read from half a second before `since`, step events left out,
+        each with its time after `since`."""
+        for at, text in self.lines[index]:
+            if at >= since - 0.5 and "EVENT step" not in text:
+                print(f"  {label} +{at - since:6.1f} s  {text[:240]}")
+
+    def stop(self) -> None:
+        """Kills the tasks still running (continued first, if stopped)."""
+        import signal
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.wait()

@@ -15,14 +15,11 @@ Only the processes started here are stopped, by PID; only 127.0.0.1 is used.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
+
+import bench_lib
 
 TASK = r'''
 import json, os, sys, threading, time
@@ -91,12 +88,6 @@ print("EVENT exiting 0", flush=True)
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--victim", type=int, default=1)
@@ -107,57 +98,30 @@ def main() -> None:
     parser.add_argument("--finish_first", action="store_true",
                         help="both run 20 steps; the victim exits at once, the other 25 s later")
     args = parser.parse_args()
-    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1")
-    procs, lines = [], [[], []]
-    for i in range(2):
-        spec = json.dumps({"addresses": addresses, "index": i,
-                           "hb_ms": int(args.heartbeat_timeout_s * 1000),
-                           "health": args.health_check,
-                           "steps": 20 if args.finish_first else 10**9,
-                           "linger": (0 if i == args.victim else 25) if args.finish_first
-                           else 0})
-        p = subprocess.Popen([sys.executable, "-c", TASK, spec], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        procs.append(p)
-
-        def read(p=p, i=i):
-            for line in p.stdout:
-                lines[i].append((time.monotonic(), line.rstrip()))
-        threading.Thread(target=read, daemon=True).start()
-    victim, survivor = procs[args.victim], procs[1 - args.victim]
-    deadline = time.monotonic() + 240
-    while not any("EVENT step 20" in t for _, t in lines[args.victim]):
-        if time.monotonic() > deadline or victim.poll() is not None:
-            print("\n".join(t for _, t in lines[args.victim][-30:]))
-            raise SystemExit("victim never reached step 20")
-        time.sleep(0.05)
+    addresses = [f"127.0.0.1:{bench_lib.free_port()}" for _ in range(2)]
+    tasks = bench_lib.ProbeTasks(TASK, {i: {
+        "addresses": addresses, "index": i, "hb_ms": int(args.heartbeat_timeout_s * 1000),
+        "health": args.health_check, "steps": 20 if args.finish_first else 10**9,
+        "linger": (0 if i == args.victim else 25) if args.finish_first else 0}
+        for i in range(2)}, log_level="1")
+    survivor = 1 - args.victim
+    tasks.wait_for(args.victim, "EVENT step 20")
     if args.finish_first:
         hit = time.monotonic()
-        victim.wait()
-        print(f"victim exited {victim.returncode} after {time.monotonic() - hit:.1f} s")
+        tasks.procs[args.victim].wait()
+        print(f"victim exited {tasks.procs[args.victim].returncode} after "
+              f"{time.monotonic() - hit:.1f} s")
     else:
-        os.kill(victim.pid, getattr(signal, "SIG" + args.signal))
+        os.kill(tasks.procs[args.victim].pid, getattr(signal, "SIG" + args.signal))
     hit = time.monotonic()
-    try:
-        status = survivor.wait(timeout=args.give_up_s)
-    except subprocess.TimeoutExpired:
-        status = None
+    status = tasks.wait(survivor, args.give_up_s)
     ended = time.monotonic() - hit
     print(f"victim task {args.victim} SIG{args.signal}, health_check={args.health_check}, "
           f"heartbeat timeout {args.heartbeat_timeout_s} s")
-    for at, text in lines[1 - args.victim]:
-        if at >= hit - 0.5 and ("EVENT step" not in text):
-            print(f"  survivor +{at - hit:6.1f} s  {text[:240]}")
+    tasks.print_since(survivor, hit, "survivor")
     print(f"  survivor exit status {status} after {ended:.1f} s"
           + (" (still running: stopped by PID)" if status is None else ""))
-    for p in procs:
-        if p.poll() is None:
-            if args.signal == "STOP":
-                os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-            p.wait()
-
+    tasks.stop()
 
 if __name__ == "__main__":
     main()

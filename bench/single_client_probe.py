@@ -18,14 +18,11 @@ Only the processes started here are stopped, by PID; only 127.0.0.1 is used.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
+
+import bench_lib
 
 TASK = r'''
 import json, sys, threading, time
@@ -91,12 +88,6 @@ except Exception as e:
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--signal", default="STOP", choices=["KILL", "STOP"])
@@ -106,46 +97,19 @@ def main() -> None:
                         help="TF's check_collective_ops_peer_health, or a gRPC GetStatus call "
                         "to the task's TensorFlow server")
     args = parser.parse_args()
-    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    procs, lines = [], [[], []]
-    for i in (1, 0):
-        spec = json.dumps({"addresses": addresses, "index": i, "how": args.how,
-                           "probe": args.probe})
-        p = subprocess.Popen([sys.executable, "-c", TASK, spec], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        procs.append(p)
-
-        def read(p=p, i=i):
-            for line in p.stdout:
-                lines[i].append((time.monotonic(), line.rstrip()))
-        threading.Thread(target=read, daemon=True).start()
-    worker, client = procs
-    deadline = time.monotonic() + 240
-    while not any("EVENT step 20" in t for _, t in lines[0]):
-        if time.monotonic() > deadline or client.poll() is not None:
-            print("\n".join(t for _, t in lines[0][-30:]))
-            raise SystemExit("the client never reached step 20")
-        time.sleep(0.05)
-    os.kill(worker.pid, getattr(signal, "SIG" + args.signal))
+    addresses = [f"127.0.0.1:{bench_lib.free_port()}" for _ in range(2)]
+    # The serving task first, then the client.
+    tasks = bench_lib.ProbeTasks(TASK, {i: {"addresses": addresses, "index": i, "how": args.how,
+                                            "probe": args.probe} for i in (1, 0)})
+    tasks.wait_for(0, "EVENT step 20")
+    os.kill(tasks.procs[1].pid, getattr(signal, "SIG" + args.signal))
     hit = time.monotonic()
-    try:
-        status = client.wait(timeout=args.give_up_s)
-    except subprocess.TimeoutExpired:
-        status = None
+    status = tasks.wait(0, args.give_up_s)
     print(f"serving task 1 SIG{args.signal}; the client's reaction: {args.how}")
-    for at, text in lines[0]:
-        if at >= hit - 0.5 and "EVENT step" not in text:
-            print(f"  client +{at - hit:6.1f} s  {text[:240]}")
+    tasks.print_since(0, hit, "client")
     print(f"  client exit status {status} after {time.monotonic() - hit:.1f} s"
           + (" (still running: stopped by PID)" if status is None else ""))
-    for p in procs:
-        if p.poll() is None:
-            if args.signal == "STOP":
-                os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-            p.wait()
-
+    tasks.stop()
 
 if __name__ == "__main__":
     main()
