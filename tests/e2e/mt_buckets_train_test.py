@@ -5,15 +5,14 @@ the weights of the uninterrupted run."""
 from __future__ import annotations
 
 import glob
-import io
 import os
 
 import numpy as np
 import pytest
-from mt_decode_test import TinyUserMt, _write_user_corpus
+import toy_mt
 from tensorboard.backend.event_processing import event_accumulator
+from toy_mt import run_trainer
 
-from lingvo_lite.training import options, runner
 from tasks.mt import input_generator
 
 pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
@@ -21,8 +20,8 @@ pytestmark = pytest.mark.slow  # Several seconds and more: scheduled first.
 LENGTHS, SIZES = [5, 8, 12], [24, 16, 8]
 
 
-class TinyBucketedMt(TinyUserMt):
-    """TinyUserMt on length buckets (not registered)."""
+class TinyBucketedMt(toy_mt.ToyMt):
+    """The toy translation task on length buckets (not registered)."""
 
     def _input(self, split):
         p = super()._input(split)
@@ -40,11 +39,8 @@ class TinyBucketedMt(TinyUserMt):
 
 
 def _train(logdir: str, *overrides: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    status = runner.main(options.RunOptions(
-        model=f"{__name__}.TinyBucketedMt", logdir=logdir, mode="train",
-        model_params_override="; ".join(overrides)), out=out, err=err)
-    return status, out.getvalue(), err.getvalue()
+    return run_trainer(model=f"{__name__}.TinyBucketedMt", logdir=logdir, mode="train",
+                       model_params_override="; ".join(overrides))
 
 
 def _weights(logdir: str) -> dict[str, np.ndarray]:
@@ -64,8 +60,8 @@ def test_buckets_train_resume_exactly_and_report_tokens(tmp_path, monkeypatch):
     tf.random.set_seed(None)
     data = tmp_path / "data"
     data.mkdir()
-    _write_user_corpus(str(data))
-    monkeypatch.setenv("MT_TEST_DATA_DIR", str(data))
+    toy_mt.write_toy_corpus(str(data))
+    monkeypatch.setenv(toy_mt.DATA_DIR_ENV, str(data))
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     status, out, err = _train(whole)
     assert status == 0, err
