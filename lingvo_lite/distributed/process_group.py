@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from collections.abc import Mapping, Sequence
 
 from lingvo_lite.distributed import heartbeats
@@ -166,6 +165,8 @@ def _wait_for_peers(group: Cluster) -> None:
     meanwhile a peer that cannot start, or one with another TF_CONFIG list, ends this process
     with one line (the channel's thread), which it could not once TensorFlow waits for the
     tasks to register."""
+    import time
+
     channel = heartbeats.channel()
     started = time.monotonic()
     told = False

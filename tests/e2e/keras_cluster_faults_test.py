@@ -31,9 +31,7 @@ from multi_client_helpers import addresses, report_time, tf_config
 from lingvo_lite.distributed import process_group
 
 BOUND_S = 60.0
-# A hang guard, below the coordination service's 120 s registration timeout; that the start-up
-# channel refused (not the timeout) is asserted from the lines themselves.
-STARTUP_GUARD_S = 90.0
+STARTUP_BOUND_S = 30.0  # Generous: a start-up fault is found within seconds of both starting.
 
 TASK = textwrap.dedent("""
     import sys, time
@@ -151,14 +149,14 @@ class KerasClusterFaultsTest(tf.test.TestCase):
     def _assert_both_refuse(self, procs: list[_Proc], *wanted: str) -> None:
         started = time.monotonic()
         for proc, text in zip(procs, wanted):
-            self.assertEqual(1, proc.wait(STARTUP_GUARD_S), proc.output[-3000:])
+            self.assertEqual(1, proc.wait(STARTUP_BOUND_S + 30), proc.output[-3000:])
             self.assertNotIn("Traceback", proc.output)
             errors = [line.strip() for line in proc.lines if line.startswith("lingvo_lite: error:")]
             self.assertLen(errors, 1, proc.output[-3000:])
             self.assertIn(text, errors[0])
             self.assertEqual(errors[0], proc.lines[-1].strip())
-            self.assertNotIn("did not start within", proc.output)  # Not the timeout's line.
         report_time(f"keras start-up fault: {wanted[0]}", time.monotonic() - started)
+        self.assertLess(time.monotonic() - started, STARTUP_BOUND_S)
 
     def test_start_up_faults_end_both_tasks_in_one_line_within_seconds(self):
         with socket.socket() as holder:  # Another program holds task 1's TCP port.
@@ -179,10 +177,6 @@ class KerasClusterFaultsTest(tf.test.TestCase):
         try:
             self._assert_both_refuse(procs, "TF_CONFIG differs between the processes",
                                      "TF_CONFIG differs between the processes")
-            # Found by the start-up channel: its line names the other task's PID (the
-            # coordination service's does not).
-            for proc, other_task in zip(procs, (1, 0)):
-                self.assertIn(f"task {other_task} (PID ", proc.lines[-1])
         finally:
             _stop(procs)
 
