@@ -4,13 +4,12 @@ TensorFlow's coordination service (process_group.py) keeps a multi-client cluste
 it exists only once every task's TensorFlow has started and joined it. Before that, a task
 whose port is taken, two processes given the same task index, or tasks whose TF_CONFIG lists
 differ (another leader) would only meet its registration timeout (120 s).
-So trainer.py claims its address before TensorFlow loads (and `process_group.initialize`
-does, before it starts TensorFlow's server, in a program that did not): every task answers
-small UDP messages on its port number (`Channel`): pings carrying its TF_CONFIG list, and
-'abort' from a task that cannot start; a mismatch ends both sides in one line within a
-second. In multi-client mode the channel is closed (`close_channel`) once the coordination
-service is up and the tasks agreed: a running task has one open port, its gRPC server's.
-With UDP filtered, these start-up faults fall back to the registration timeout.
+So trainer.py claims its address before TensorFlow loads: every task answers small UDP
+messages on its port number (`Channel`): pings carrying its TF_CONFIG list, and 'abort' from
+a task that cannot start; a mismatch ends both sides in one line within a second. In
+multi-client mode the channel is closed (`close_channel`) once the coordination service is
+up and the tasks agreed: a running task has one open port, its gRPC server's. With UDP
+filtered, these start-up faults fall back to the registration timeout.
 
 In single-client mode (one client drives every task's devices with remote ops, not
 collectives) TensorFlow offers no liveness: there is no coordination service, its peer health

@@ -41,10 +41,8 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 
-from lingvo_lite.distributed import heartbeats
 from lingvo_lite.distributed.cluster_spec import (
     JOB,
-    AddressInUseError,
     Cluster,
     ClusterSpecError,
     check_port_free,
@@ -85,8 +83,7 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
       num_logical_cpus: logical CPU devices of this task (None: TensorFlow's one CPU).
       intra_op_threads, inter_op_threads: thread-pool sizes (None: TensorFlow's).
       watch: an uncaught error of a lost peer ends the program with one line naming the
-        task instead of a traceback (trainer.py reports its own), and so does an uncaught
-        start-up refusal (a taken port, TF_CONFIG lists that differ).
+        task instead of a traceback (trainer.py reports its own).
 
     Raises:
       RuntimeError: TensorFlow already ran an op (collectives can no longer be configured),
@@ -99,9 +96,6 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
         if _current != group:
             raise RuntimeError(f"process_group.initialize was already called with {_current}.")
         return _current
-    if watch:
-        _watch_uncaught_errors(group)
-    channel_here = _claim_address(group)
     import tensorflow as tf
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.core.protobuf import tensorflow_server_pb2
@@ -126,6 +120,7 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
             "process_group.initialize must run before TensorFlow executes any op (as "
             "MultiWorkerMirroredStrategy must be created first); call it at program start, "
             "before configure_logical_cpus and before building a model.") from None
+    check_port_free(group)
     # As MultiWorkerMirroredStrategy does (collective_all_reduce_strategy.py): the service's
     # heartbeats replace its Python health-check thread.
     ctx.configure_coordination_service(
@@ -134,8 +129,8 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
         cluster_register_timeout_in_ms=int(START_TIMEOUT_S * 1000),
         coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
             name=JOB, num_tasks=group.num_tasks)])
-    if channel_here:
-        _wait_for_peers(group)
+    if watch:
+        _watch_uncaught_errors(group)
     spec = tf.train.ClusterSpec({JOB: list(group.addresses)})
     try:
         ctx.enable_collective_ops(tensorflow_server_pb2.ServerDef(
@@ -155,55 +150,7 @@ def initialize(addresses: Sequence[str], index: int, num_logical_cpus: int | Non
             f"{list(group.addresses)}, task {task} lists {json.loads(theirs)}; give every "
             "process the same 'cluster' list and its own 'task' index, then rerun every "
             "process.")
-    if channel_here:
-        heartbeats.close_channel()  # The tasks agreed: from here one open port, gRPC's.
     return group
-
-
-def _wait_for_peers(group: Cluster) -> None:
-    """Waits (bounded by START_TIMEOUT_S) until every other task answers the start-up channel:
-    meanwhile a peer that cannot start, or one with another TF_CONFIG list, ends this process
-    with one line (the channel's thread), which it could not once TensorFlow waits for the
-    tasks to register."""
-    import time
-
-    channel = heartbeats.channel()
-    started = time.monotonic()
-    told = False
-    while True:
-        missing = [t for t in channel.peers() if channel.last_answer(t) is None]
-        if not missing:
-            return
-        waited = time.monotonic() - started
-        if waited > START_TIMEOUT_S:
-            raise RuntimeError(
-                f"task {group.task_index} of the cluster {list(group.addresses)}: task(s) "
-                f"{missing} did not start within {START_TIMEOUT_S:.0f} s; start every task, "
-                "each with its own TF_CONFIG index and the same list.")
-        if waited > 3.0 and not told:
-            print(f"{PROGRAM}: task {group.task_index}: waiting for task(s) {missing} to start "
-                  f"(up to {START_TIMEOUT_S:.0f} s)...", file=sys.stderr, flush=True)
-            told = True
-        time.sleep(0.2)
-
-
-def _claim_address(group: Cluster) -> bool:
-    """Claims this task's address with the start-up channel (heartbeats.py) unless the
-    program opened it already (trainer.py does, before TensorFlow loads): a taken port, two
-    processes with one index or another TF_CONFIG list then end every task with one line
-    within seconds, not at the coordination service's registration timeout. Returns whether
-    the channel was opened here (it is closed once the tasks agree)."""
-    if heartbeats.channel() is not None:
-        check_port_free(group)
-        return False
-    try:
-        heartbeats.open_channel(group, program=PROGRAM)
-    except AddressInUseError as e:
-        if heartbeats.channel() is not None:  # Our UDP port is ours, the TCP one is taken.
-            heartbeats.channel().abort(str(e))
-            heartbeats.close_channel()
-        raise
-    return True
 
 
 def from_tf_config(environ: Mapping[str, str] | None = None,
@@ -308,9 +255,6 @@ def _watch_uncaught_errors(group: Cluster) -> None:
     previous_hook = sys.excepthook
 
     def excepthook(kind, value, traceback) -> None:
-        if isinstance(value, (AddressInUseError, ClusterSpecError)):  # Already one line.
-            print(f"{PROGRAM}: error: {value}", file=sys.stderr, flush=True)
-            return
         if not is_peer_error(value):
             previous_hook(kind, value, traceback)
             return
